@@ -1,0 +1,3 @@
+from xmodlm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""The ``xmod`` command: thin wrappers over library functions.
+
+Each subcommand parses its arguments, calls one library function and prints the
+result. A :class:`~xmodlm.errors.UserError` becomes one line on stderr and exit
+status 2; so does an argument the parser rejects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from xmodlm.errors import UserError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line and exit status 2 (no usage dump)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=False, default=_json_default))
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "__fspath__"):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="preset name (e.g. xmod-tiny) or path to a YAML file")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set model.stride=8 (repeatable)",
+    )
+
+
+# --- commands ------------------------------------------------------------------------
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from xmodlm.info import model_info
+
+    info = model_info(args.config, args.overrides)
+    if args.json:
+        _print_json(info)
+    else:
+        from xmodlm.info import format_info
+
+        print(format_info(info))
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from xmodlm.config import preset_names
+
+    print("\n".join(preset_names()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="xmod",
+        description="Sparse-depth language models (X-MoD): train, evaluate, fit scaling laws.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("info", help="parameters, FLOPs per token and layout of a config")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("presets", help="list the shipped config presets")
+    p.set_defaults(func=cmd_presets)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.func
+    try:
+        return handler(args)
+    except UserError as err:
+        sys.stderr.write(f"xmod {args.command}: error: {err}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("xmod: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

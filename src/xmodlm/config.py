@@ -1,0 +1,369 @@
+"""Typed configuration: nested dataclasses, YAML presets, ``--set`` overrides.
+
+One configuration space covers every family. Dense, MoD and X-MoD differ only in
+(stride, capacity, gating, balancing); MoE is a choice of MLP. The per-block
+layout string (``D`` dense/anchor, ``s`` sparse, ``E`` MoE) is derived from those
+knobs unless given explicitly, and the model is built from the layout alone.
+
+Every value a user can set is validated in :meth:`Config.validate`; errors raise
+:class:`~xmodlm.errors.UserError` naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from xmodlm.errors import UserError
+
+GATINGS = ("logit", "sigmoid", "variance_scaled")
+CAUSAL_ROUTERS = ("bce", "predictor")
+MLPS = ("swiglu", "moe")
+SCHEDULES = ("cosine", "wsd", "constant")
+DTYPES = ("bf16", "fp32")
+COMPILE_MODES = ("auto", "on", "off")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture. ``context`` is the training context length T."""
+
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 8
+    n_heads: int = 4
+    d_ff: int = 0  # 0: SwiGLU default, 8/3 * d_model rounded up to a multiple of 32
+    context: int = 256
+    # --- sparse depth -------------------------------------------------------
+    stride: int = 1  # S: every S-th block is a dense anchor (S=1: all dense)
+    capacity: float = 1.0  # c: fraction of each sequence a sparse block processes
+    layout: str = ""  # explicit per-block layout; empty: derived from (stride, capacity)
+    gating: str = "variance_scaled"  # logit | sigmoid | variance_scaled
+    balance_coef: float = 0.0  # depth-wise token balancing loss weight (0: off, no cost)
+    causal_router: str = "bce"  # bce: BCE on router logits | predictor: stop-grad MLP
+    causal_coef: float = 1e-2  # weight of the causal-decision BCE loss
+    # --- MLP / MoE ------------------------------------------------------------
+    mlp: str = "swiglu"  # swiglu | moe
+    n_experts: int = 8
+    moe_top_k: int = 2
+    moe_d_ff: int = 0  # 0: same as d_ff
+    moe_aux_coef: float = 1e-2  # Switch load-balancing loss weight
+    moe_z_coef: float = 1e-3  # router z-loss weight
+    # --- misc -----------------------------------------------------------------
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff > 0:
+            return self.d_ff
+        return 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+    @property
+    def expert_dim(self) -> int:
+        return self.moe_d_ff if self.moe_d_ff > 0 else self.ffn_dim
+
+    @property
+    def block_layout(self) -> str:
+        """One letter per block: ``D`` dense/anchor, ``s`` sparse, ``E`` MoE.
+
+        Block 0 is always an anchor so every token sees at least one full block
+        before any routing decision; then every S-th block is an anchor.
+        """
+        if self.layout:
+            return self.layout
+        dense = "E" if self.mlp == "moe" else "D"
+        if self.stride == 1 or self.capacity >= 1.0:
+            return dense * self.n_layers
+        return "".join(dense if i % self.stride == 0 else "s" for i in range(self.n_layers))
+
+    @property
+    def family(self) -> str:
+        """The family name used in run records (derived, never branched on in the model)."""
+        lay = self.block_layout
+        if "E" in lay:
+            return "moe"
+        if "s" not in lay:
+            return "dense"
+        if self.gating == "logit" and self.stride == 2:
+            return "mod"
+        return "xmod"
+
+    def validate(self) -> None:
+        _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "context")
+        if not (0.0 < self.capacity <= 1.0):
+            raise UserError(f"model.capacity={self.capacity}: must be in (0, 1]")
+        if self.stride < 1:
+            raise UserError(f"model.stride={self.stride}: must be an integer >= 1")
+        if not self.layout and self.n_layers % self.stride != 0:
+            raise UserError(
+                f"model.n_layers={self.n_layers} is not a multiple of model.stride={self.stride}:"
+                " depth must be a multiple of the anchor stride"
+            )
+        if self.d_model % self.n_heads != 0:
+            raise UserError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}"
+            )
+        if self.head_dim % 2 != 0:
+            raise UserError(f"model.d_model/n_heads={self.head_dim}: rotary needs an even head dim")
+        _choice(self, "gating", GATINGS)
+        _choice(self, "causal_router", CAUSAL_ROUTERS)
+        _choice(self, "mlp", MLPS)
+        if self.layout:
+            bad = set(self.layout) - set("DsE")
+            if bad or len(self.layout) != self.n_layers:
+                raise UserError(
+                    f"model.layout={self.layout!r}: must be {self.n_layers} letters"
+                    " (n_layers) from D (dense), s (sparse), E (MoE)"
+                )
+        if "E" in self.block_layout:
+            if self.n_experts < 1:
+                raise UserError(f"model.n_experts={self.n_experts}: must be >= 1")
+            if not (1 <= self.moe_top_k <= self.n_experts):
+                raise UserError(
+                    f"model.moe_top_k={self.moe_top_k}: must be in [1, n_experts={self.n_experts}]"
+                )
+        for key in ("balance_coef", "causal_coef", "moe_aux_coef", "moe_z_coef", "d_ff", "moe_d_ff"):
+            if getattr(self, key) < 0:
+                raise UserError(f"model.{key}={getattr(self, key)}: must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    """Where the prepared token files live (``xmod data prepare --out DIR``)."""
+
+    dir: str = "data/corpus"
+    val_batches: int = 8  # fixed validation batches per evaluation
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, budget, schedule, precision, logging and checkpoints."""
+
+    seed: int = 0
+    batch_size: int = 16  # sequences per micro-batch (per rank)
+    grad_accum: int = 1
+    # budget: max_steps caps everything; else tokens; else compute C (FLOPs) -> D = C / F
+    max_steps: int = 0
+    tokens: int = 0
+    compute: float = 0.0
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    schedule: str = "cosine"  # cosine | wsd | constant
+    cooldown_frac: float = 0.2  # wsd: fraction of steps in the final linear decay
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    dtype: str = "bf16"  # autocast dtype on CPU and GPU; weights stay fp32
+    compile: str = "off"  # auto | on | off
+    device: str = "auto"  # auto | cpu | cuda
+    eval_every: int = 100
+    log_every: int = 10
+    ckpt_every: int = 200
+    keep_last: int = 2
+    max_bad_steps: int = 5  # consecutive non-finite losses before the run is "diverged"
+    fsdp: bool = False
+    tensorboard: bool = False
+    wandb: bool = False
+
+    def validate(self) -> None:
+        _positive(self, "batch_size", "grad_accum", "keep_last", "eval_every", "log_every")
+        _choice(self, "schedule", SCHEDULES)
+        _choice(self, "dtype", DTYPES)
+        _choice(self, "compile", COMPILE_MODES)
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise UserError(f"train.device={self.device!r}: must be one of auto, cpu, cuda")
+        for key in ("max_steps", "tokens", "compute", "warmup_steps", "lr", "weight_decay"):
+            if getattr(self, key) < 0:
+                raise UserError(f"train.{key}={getattr(self, key)}: must be >= 0")
+        if not (0.0 <= self.cooldown_frac <= 1.0):
+            raise UserError(f"train.cooldown_frac={self.cooldown_frac}: must be in [0, 1]")
+        if not (0.0 <= self.min_lr_ratio <= 1.0):
+            raise UserError(f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+
+
+@dataclass
+class Config:
+    """The full, resolved configuration of one run."""
+
+    name: str = "custom"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> Config:
+        self.model.validate()
+        self.train.validate()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "config") -> Config:
+        return _build(cls, raw, where)
+
+    def merge(self, overrides: list[str] | tuple[str, ...]) -> Config:
+        """Return a copy with ``key.path=value`` overrides applied (values parsed as YAML)."""
+        raw = self.to_dict()
+        for item in overrides:
+            if "=" not in item:
+                raise UserError(f"--set {item!r}: expected key.path=value, e.g. model.stride=4")
+            key, value = item.split("=", 1)
+            parts = key.strip().split(".")
+            node = raw
+            for i, part in enumerate(parts):
+                if not isinstance(node, dict) or part not in node:
+                    known = ", ".join(sorted(node)) if isinstance(node, dict) else "(none)"
+                    path = ".".join(parts[: i + 1])
+                    raise UserError(f"--set {key}: unknown key {path!r}; known here: {known}")
+                if i == len(parts) - 1:
+                    if isinstance(node[part], dict):
+                        raise UserError(f"--set {key}: is a section, set one of its keys")
+                    try:
+                        node[part] = yaml.safe_load(value) if value != "" else ""
+                    except yaml.YAMLError:
+                        raise UserError(f"--set {key}: value {value!r} is not valid YAML") from None
+                else:
+                    node = node[part]
+        return Config.from_dict(raw, where="")
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    """Build dataclass ``cls`` from ``raw``, rejecting unknown keys and wrong types."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(raw) - names
+    if unknown:
+        raise UserError(
+            f"{where}: unknown key {sorted(unknown)[0]!r}; allowed: {', '.join(sorted(names))}"
+        )
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _coerce(hints[name], value, f"{where}.{name}" if where else name)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    if tp in (int, float) and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-3" as a string
+            value = float(value)
+        except ValueError:
+            pass
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if isinstance(tp, types.UnionType):  # only `X | None` is used
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"{where}={value!r}: must be true or false")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            raise UserError(f"{where}={value!r}: must be an integer")
+        return int(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{where}={value!r}: must be a number")
+        return float(value)
+    if tp is str:
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise UserError(f"{where}={value!r}: must be a string")
+        return value
+    return value
+
+
+def _positive(obj: Any, *keys: str) -> None:
+    section = "model" if isinstance(obj, ModelConfig) else "train"
+    for key in keys:
+        if getattr(obj, key) < 1:
+            raise UserError(f"{section}.{key}={getattr(obj, key)}: must be an integer >= 1")
+
+
+def _choice(obj: Any, key: str, allowed: tuple[str, ...]) -> None:
+    section = "model" if isinstance(obj, ModelConfig) else "train"
+    if getattr(obj, key) not in allowed:
+        raise UserError(f"{section}.{key}={getattr(obj, key)!r}: must be one of {', '.join(allowed)}")
+
+
+# --- presets ----------------------------------------------------------------------
+
+
+def preset_names() -> list[str]:
+    root = resources.files("xmodlm") / "configs"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a preset by name (``xmod-tiny``) or a YAML file, apply overrides, validate.
+
+    A YAML file may say ``base: PRESET`` to start from a shipped preset.
+    """
+    raw = _read_yaml(name_or_path)
+    base = raw.pop("base", None)
+    if base is not None:
+        merged = _read_yaml(base)
+        merged.pop("base", None)
+        raw = _deep_merge(merged, raw)
+    cfg = Config.from_dict(raw, where="")
+    if overrides:
+        cfg = cfg.merge(list(overrides))
+    return cfg.validate()
+
+
+def _read_yaml(name_or_path: str | Path) -> dict[str, Any]:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise UserError(f"config file {str(path)!r} not found")
+        text = path.read_text()
+    else:
+        res = resources.files("xmodlm") / "configs" / f"{name_or_path}.yaml"
+        if not res.is_file():
+            raise UserError(
+                f"unknown config {str(name_or_path)!r}: give a YAML path or one of the presets:"
+                f" {', '.join(preset_names())}"
+            )
+        text = res.read_text()
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        line = getattr(getattr(err, "problem_mark", None), "line", None)
+        at = f" (line {line + 1})" if line is not None else ""
+        raise UserError(f"config {str(name_or_path)!r} is not valid YAML{at}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"config {str(name_or_path)!r}: top level must be a mapping")
+    return raw
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out

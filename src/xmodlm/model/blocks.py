@@ -1,0 +1,179 @@
+"""Transformer blocks: the plain block (dense or MoE MLP) and the routed sparse block.
+
+Every block exposes ``branch(x)``: its output *minus* its input (attention plus
+MLP contributions). A dense block adds the branch to every token; a routed block
+adds ``gate(r) * branch`` to the tokens it selected and leaves the others alone,
+so the residual is counted exactly once either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xmodlm.config import ModelConfig
+from xmodlm.model import routing
+from xmodlm.model.layers import Attention, RMSNorm, Rotary, SwiGLU
+from xmodlm.model.moe import MoEMLP
+
+PREDICTOR_HIDDEN_DIV = 4  # causal predictor hidden width = d_model / 4
+
+
+class Block(nn.Module):
+    """Pre-norm block: attention then MLP (SwiGLU or MoE)."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool = False) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.n_heads)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp: nn.Module
+        if moe:
+            self.mlp = MoEMLP(cfg.d_model, cfg.expert_dim, cfg.n_experts, cfg.moe_top_k)
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
+
+    def branch(
+        self,
+        x_BTD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask_BTT: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Branch output f = block(x) - x, and the MLP's auxiliary losses (MoE only)."""
+        h = self.attn(self.norm1(x_BTD), cos, sin, mask_BTT)
+        return self.mlp_branch(x_BTD + h, h)
+
+    def mlp_branch(
+        self, x_BTD: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Second half of the branch, given the post-attention stream x + h."""
+        if isinstance(self.mlp, MoEMLP):
+            m, aux = self.mlp(self.norm2(x_BTD))
+            return h + m, aux
+        return h + self.mlp(self.norm2(x_BTD)), {}
+
+
+@dataclass
+class BlockOutput:
+    """What a block returns besides the new residual stream."""
+
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    r_BT: torch.Tensor | None = None  # router logits (fp32), sparse blocks only
+    topk_BT: torch.Tensor | None = None  # top-k membership
+    causal_BT: torch.Tensor | None = None  # causal decision
+    processed_BT: torch.Tensor | None = None  # tokens actually processed in this pass
+
+
+class DenseBlock(nn.Module):
+    """An anchor (``D``) or MoE (``E``) block: every token goes through."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool = False) -> None:
+        super().__init__()
+        self.block = Block(cfg, moe=moe)
+
+    def forward(
+        self, x_BTD: torch.Tensor, rope: Rotary, pos_T: torch.Tensor, mode: str
+    ) -> tuple[torch.Tensor, BlockOutput]:
+        cos, sin = rope(pos_T)
+        f, aux = self.block.branch(x_BTD, cos, sin)
+        return x_BTD + f, BlockOutput(aux=aux)
+
+
+class RoutedBlock(nn.Module):
+    """A sparse (``s``) block: processes only k = round(c T) tokens per sequence.
+
+    ``mode="topk"`` (training): expert-choice top-k of the router logits, gathered
+    in causal order with their original rotary positions, block run on the k
+    tokens only, gated branch scattered back.
+
+    ``mode="causal"`` (inference): a token is processed iff its causal decision
+    says so (sigmoid(r) > 1/2, or the predictor's logit > 0). The number of tokens
+    then varies by sequence, so this path runs the block on all tokens with
+    attention restricted to the selected keys and discards unselected outputs.
+    It gives exactly what token-by-token decoding computes and also serves as the
+    reference implementation that the gather path is tested against.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.block = Block(cfg)
+        self.capacity = cfg.capacity
+        self.gating = cfg.gating
+        self.causal_router = cfg.causal_router
+        self.router = nn.Linear(cfg.d_model, 1, bias=False)
+        self.gamma: nn.Parameter | None = None
+        if cfg.gating == "variance_scaled":
+            init = routing.variance_scaled_gamma_init(cfg.capacity, cfg.stride)
+            self.gamma = nn.Parameter(torch.tensor(init))
+        self.predictor: nn.Sequential | None = None
+        if cfg.causal_router == "predictor":
+            hidden = max(1, cfg.d_model // PREDICTOR_HIDDEN_DIV)
+            self.predictor = nn.Sequential(
+                nn.Linear(cfg.d_model, hidden), nn.SiLU(), nn.Linear(hidden, 1)
+            )
+
+    def router_logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """r = x . w in fp32, whatever the autocast dtype."""
+        with torch.autocast(device_type=x_BTD.device.type, enabled=False):
+            return F.linear(x_BTD.float(), self.router.weight.float()).squeeze(-1)
+
+    def decision_logits(self, x_BTD: torch.Tensor, r_BT: torch.Tensor) -> torch.Tensor:
+        """Logit of the causal decision: the router itself, or the stop-gradient predictor."""
+        if self.predictor is None:
+            return r_BT
+        with torch.autocast(device_type=x_BTD.device.type, enabled=False):
+            return self.predictor(x_BTD.detach().float()).squeeze(-1)
+
+    def gate(self, r: torch.Tensor) -> torch.Tensor:
+        return routing.gate(r, self.gating, self.gamma)
+
+    def forward(
+        self, x_BTD: torch.Tensor, rope: Rotary, pos_T: torch.Tensor, mode: str
+    ) -> tuple[torch.Tensor, BlockOutput]:
+        B, T, _ = x_BTD.shape
+        r_BT = self.router_logits(x_BTD)
+        d_BT = self.decision_logits(x_BTD, r_BT)
+        causal_BT = d_BT > 0
+        if mode == "topk":
+            idx_BK = routing.topk_indices(r_BT, routing.capacity_tokens(self.capacity, T))
+            topk_BT = routing.selection_mask(idx_BK, T)
+            cos, sin = rope(pos_T[idx_BK])
+            f_BKD, _ = self.block.branch(routing.gather_tokens(x_BTD, idx_BK), cos, sin)
+            g_BK = self.gate(torch.gather(r_BT, 1, idx_BK))
+            x_BTD = routing.scatter_add_tokens(x_BTD, idx_BK, g_BK.unsqueeze(-1) * f_BKD)
+            processed = topk_BT
+        elif mode == "causal":
+            topk_BT = None
+            x_BTD = self.masked_forward(x_BTD, r_BT, causal_BT, rope, pos_T)
+            processed = causal_BT
+        else:
+            raise AssertionError(f"unknown routing mode {mode!r}")
+        aux = {}
+        if topk_BT is not None:
+            aux["causal_bce"] = routing.causal_bce_loss(d_BT, topk_BT)
+        out = BlockOutput(aux, r_BT, topk_BT, causal_BT, processed)
+        return x_BTD, out
+
+    def masked_forward(
+        self,
+        x_BTD: torch.Tensor,
+        r_BT: torch.Tensor,
+        sel_BT: torch.Tensor,
+        rope: Rotary,
+        pos_T: torch.Tensor,
+    ) -> torch.Tensor:
+        """Reference path: full-length compute, attention over selected keys only."""
+        T = x_BTD.shape[1]
+        causal_TT = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()
+        eye_TT = torch.eye(T, dtype=torch.bool, device=x_BTD.device)
+        # unselected queries attend to themselves only (their output is discarded);
+        # this keeps every softmax row non-empty.
+        mask_BTT = (causal_TT & sel_BT.unsqueeze(1)) | eye_TT
+        cos, sin = rope(pos_T)
+        f_BTD, _ = self.block.branch(x_BTD, cos, sin, mask_BTT)
+        g_BT = self.gate(r_BT) * sel_BT
+        return x_BTD + (g_BT.unsqueeze(-1) * f_BTD).to(x_BTD.dtype)

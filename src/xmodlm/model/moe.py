@@ -1,0 +1,68 @@
+"""Token-choice top-k mixture-of-experts MLP, and its auxiliary losses as pure functions."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xmodlm.model.layers import SwiGLU
+
+
+def load_balancing_loss(probs_NE: torch.Tensor, expert_NK: torch.Tensor) -> torch.Tensor:
+    """Switch-style balance loss: E * sum_e (fraction routed to e) * (mean prob of e).
+
+    Equals 1 under perfectly uniform routing, whatever E and top-k.
+    """
+    n_experts = probs_NE.shape[-1]
+    counts_E = torch.bincount(expert_NK.flatten(), minlength=n_experts).to(probs_NE.dtype)
+    frac_E = counts_E / expert_NK.numel()
+    return n_experts * (frac_E * probs_NE.mean(0)).sum()
+
+
+def router_z_loss(logits_NE: torch.Tensor) -> torch.Tensor:
+    """Mean squared log-partition: keeps router logits small and fp32 routing stable."""
+    return torch.logsumexp(logits_NE, dim=-1).pow(2).mean()
+
+
+class MoEMLP(nn.Module):
+    """Dropless token-choice MoE: each token picks its top-k experts (router in fp32).
+
+    Tokens are sorted by expert and each expert runs once on its contiguous slice,
+    so compute is exactly top_k expert MLPs per token. With one expert and
+    top_k = 1 the layer equals a plain SwiGLU with the same weights.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(d_model, d_ff) for _ in range(n_experts))
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            logits_NE = F.linear(x_ND.float(), self.router.weight.float())
+        probs_NE = logits_NE.softmax(-1)
+        weight_NK, expert_NK = probs_NE.topk(self.top_k, dim=-1)
+        weight_NK = weight_NK / weight_NK.sum(-1, keepdim=True)
+
+        flat_expert = expert_NK.flatten()
+        order = torch.argsort(flat_expert, stable=True)
+        token_of = order // self.top_k
+        counts = torch.bincount(flat_expert, minlength=len(self.experts)).tolist()
+        x_sorted = x_ND[token_of]
+        outs = [
+            expert(chunk)
+            for expert, chunk in zip(self.experts, x_sorted.split(counts), strict=True)
+            if chunk.shape[0] > 0
+        ]
+        y_sorted = torch.cat(outs) * weight_NK.flatten()[order].unsqueeze(-1).to(outs[0].dtype)
+        y_ND = torch.zeros(B * T, D, dtype=y_sorted.dtype, device=x_ND.device)
+        y_ND = y_ND.index_add(0, token_of, y_sorted)
+        aux = {
+            "moe_balance": load_balancing_loss(probs_NE, expert_NK),
+            "moe_z": router_z_loss(logits_NE),
+        }
+        return y_ND.view(B, T, D), aux

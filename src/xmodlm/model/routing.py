@@ -1,0 +1,162 @@
+"""The routing mathematics of sparse depth, as pure functions.
+
+Everything that decides *which* tokens a sparse block processes and *how much*
+its output counts lives here, separately testable and free of module state:
+
+* expert-choice top-k per sequence (:func:`topk_indices`), gather and scatter;
+* the gates ``logit | sigmoid | variance_scaled`` (:func:`gate`) and the initial
+  scale of the variance-scaled gate (:func:`variance_scaled_gamma_init`);
+* the auxiliary losses: depth-wise token balancing (:func:`balance_loss`) and the
+  causal-decision BCE (:func:`causal_bce_loss`);
+* the routing statistics logged during evaluation (:func:`routing_stats`).
+
+Router logits are always fp32 (tensors named ``r_BT``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def capacity_tokens(capacity: float, seq_len: int) -> int:
+    """k = max(1, round(c * T)): the exact number of tokens a sparse block takes."""
+    return max(1, min(seq_len, round(capacity * seq_len)))
+
+
+def topk_indices(
+    r_BT: torch.Tensor, k: int, valid_BT: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-sequence expert-choice selection, sorted so tokens keep causal order.
+
+    Exactly ``k`` indices per row. Invalid (padding) positions are masked to -inf
+    first, so they are chosen only if a row has fewer than ``k`` valid tokens.
+    """
+    if valid_BT is not None:
+        r_BT = r_BT.masked_fill(~valid_BT, float("-inf"))
+    idx_BK = torch.topk(r_BT, k, dim=-1, sorted=False).indices
+    return torch.sort(idx_BK, dim=-1).values
+
+
+def gather_tokens(x_BTD: torch.Tensor, idx_BK: torch.Tensor) -> torch.Tensor:
+    """x_BKD[b, j] = x_BTD[b, idx_BK[b, j]]."""
+    return torch.gather(x_BTD, 1, idx_BK.unsqueeze(-1).expand(-1, -1, x_BTD.shape[-1]))
+
+
+def scatter_add_tokens(
+    x_BTD: torch.Tensor, idx_BK: torch.Tensor, update_BKD: torch.Tensor
+) -> torch.Tensor:
+    """Out of place: x + update at the selected positions, x unchanged elsewhere."""
+    index = idx_BK.unsqueeze(-1).expand(-1, -1, x_BTD.shape[-1])
+    return x_BTD.scatter_add(1, index, update_BKD.to(x_BTD.dtype))
+
+
+def selection_mask(idx_BK: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Boolean (B, T) mask of the selected positions."""
+    mask = torch.zeros(idx_BK.shape[0], seq_len, dtype=torch.bool, device=idx_BK.device)
+    return mask.scatter(1, idx_BK, True)
+
+
+def gate(r: torch.Tensor, kind: str, gamma: torch.Tensor | None = None) -> torch.Tensor:
+    """Multiplier of a sparse block's branch output; puts the router on the gradient path.
+
+    ``logit``: r (original MoD). ``sigmoid``: sigmoid(r).
+    ``variance_scaled``: gamma * sigmoid(r), gamma a learnable per-layer scalar.
+    """
+    if kind == "logit":
+        return r
+    if kind == "sigmoid":
+        return torch.sigmoid(r)
+    if kind == "variance_scaled":
+        assert gamma is not None, "variance_scaled gating needs its gamma"
+        return gamma * torch.sigmoid(r)
+    raise AssertionError(f"unknown gating {kind!r}")
+
+
+def variance_scaled_gamma_init(capacity: float, stride: int) -> float:
+    """Initial gamma so deep sparse windows add no more variance than dense ones.
+
+    In a window of one anchor and S-1 sparse blocks, a dense model of the same
+    active-equivalent depth adds ``1 + c (S-1)`` branch variances per token. Under
+    X-MoD a token chosen by ``m`` sparse blocks adds ``1 + m g^2``, with m anywhere
+    from 0 to S-1 (routers may collapse onto the same tokens). Requiring that even a
+    token chosen by *every* sparse block add no more than the dense-equivalent
+    amount gives ``(S-1) g^2 = c (S-1)``, i.e. ``g = sqrt(c)`` whatever S; the
+    average token (m = c (S-1)) then adds ``1 + c^2 (S-1)``, between one block and
+    the dense-equivalent. At a zero-initialised router sigmoid(r) = 1/2, so
+    ``gamma = 2 sqrt(c)``. At c = 1 this is gamma = 2, g = 1: exactly the dense
+    block, as the dense limit requires. ``stride`` is accepted so the rule can
+    grow an S dependence without changing callers; with S = 1 there is no sparse
+    block and gamma is unused.
+    """
+    del stride  # cancels in the rule above
+    return 2.0 * math.sqrt(capacity)
+
+
+def causal_bce_loss(logit_BT: torch.Tensor, selected_BT: torch.Tensor) -> torch.Tensor:
+    """BCE teaching a per-token logit to predict top-k membership (targets detached)."""
+    return F.binary_cross_entropy_with_logits(logit_BT.float(), selected_BT.float())
+
+
+def balance_loss(window_probs: list[torch.Tensor]) -> torch.Tensor:
+    """Depth-wise token balancing: squared coefficient of variation of sparse depth.
+
+    ``window_probs``: one (B, T, n) tensor per stride window holding
+    p = sigmoid(r) of the window's n sparse blocks. With soft sparse depth
+    n_t = sum_l p_{t,l}, the loss is the mean over windows and sequences of
+    Var_t(n_t) / Mean_t(n_t)^2. It is scale-free (c does not set its size) and zero
+    when every token expects the same sparse depth, so it discourages the routers
+    of a window from all picking the same tokens.
+    """
+    terms = []
+    for p_BTN in window_probs:
+        n_BT = p_BTN.float().sum(-1)
+        mean_B = n_BT.mean(-1)
+        var_B = n_BT.var(-1, unbiased=False)
+        terms.append((var_B / mean_B.pow(2).clamp_min(1e-12)).mean())
+    return torch.stack(terms).mean()
+
+
+@torch.no_grad()
+def routing_stats(
+    selections: list[torch.Tensor],
+    windows: list[list[int]],
+    causal: list[torch.Tensor] | None = None,
+    topk: list[torch.Tensor] | None = None,
+) -> dict[str, object]:
+    """Summaries of where sparse compute went, for logging (not on the training path).
+
+    ``selections``: one (B, T) bool mask per sparse block, in depth order, of the
+    tokens the block actually processed. ``windows``: for each stride window, the
+    indices into ``selections`` of its sparse blocks. ``causal``/``topk``: the two
+    decisions per sparse block, for the agreement rate.
+
+    Returns per-window coverage (fraction of tokens processed by at least one
+    sparse block of the window), the normalised histogram of per-token sparse
+    depth over the whole stack, the Jaccard overlap of consecutive sparse blocks,
+    per-block capacity used, and top-k/causal agreement.
+    """
+    out: dict[str, object] = {}
+    if not selections:
+        return out
+    sel_NBT = torch.stack(selections).bool()
+    out["capacity_used"] = [float(x) for x in sel_NBT.float().mean(dim=(1, 2))]
+    out["coverage"] = [
+        float(sel_NBT[w].any(0).float().mean()) for w in windows if len(w) > 0
+    ]
+    depth_BT = sel_NBT.sum(0)
+    hist = torch.bincount(depth_BT.flatten(), minlength=len(selections) + 1).float()
+    out["depth_hist"] = [float(x) for x in hist / hist.sum()]
+    jac = []
+    for a, b in zip(sel_NBT[:-1], sel_NBT[1:], strict=True):
+        inter = (a & b).sum().float()
+        union = (a | b).sum().float().clamp_min(1)
+        jac.append(float(inter / union))
+    out["jaccard"] = jac
+    if causal is not None and topk is not None:
+        agree = [float((c == t).float().mean()) for c, t in zip(causal, topk, strict=True)]
+        out["agreement"] = agree
+        out["agreement_mean"] = sum(agree) / len(agree)
+    return out

@@ -1,0 +1,170 @@
+"""The transformer, built from a layout string (``D`` dense, ``s`` sparse, ``E`` MoE).
+
+Dense, MoD, X-MoD and MoE are all this one class; only the layout and the
+block options differ. Auxiliary losses and routing statistics come back in the
+:class:`ModelOutput` of each forward call, never through module state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xmodlm.config import ModelConfig
+from xmodlm.model import routing
+from xmodlm.model.blocks import BlockOutput, DenseBlock, RoutedBlock
+from xmodlm.model.layers import RMSNorm, Rotary
+
+ROUTING_MODES = ("topk", "causal")
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # (B, T, V)
+    loss: torch.Tensor | None = None  # LM cross-entropy (mean over tokens)
+    aux_loss: torch.Tensor | None = None  # weighted sum of auxiliary losses
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)  # unweighted components
+    stats: dict[str, object] = field(default_factory=dict)  # routing statistics
+
+    @property
+    def total_loss(self) -> torch.Tensor:
+        assert self.loss is not None, "no targets were given"
+        return self.loss if self.aux_loss is None else self.loss + self.aux_loss
+
+
+def stride_windows(layout: str) -> list[list[int]]:
+    """Group sparse blocks (as indices among sparse blocks) by their anchor window.
+
+    A window starts at every non-sparse block; sparse blocks before the first
+    anchor form a window of their own.
+    """
+    windows: list[list[int]] = [[]]
+    n_sparse = 0
+    for i, letter in enumerate(layout):
+        if letter == "s":
+            windows[-1].append(n_sparse)
+            n_sparse += 1
+        elif i > 0:
+            windows.append([])
+    return [w for w in windows if w]
+
+
+def active_depth(cfg: ModelConfig) -> float:
+    """Active-equivalent depth: anchors count 1, sparse blocks count c."""
+    layout = cfg.block_layout
+    return (len(layout) - layout.count("s")) + cfg.capacity * layout.count("s")
+
+
+class Transformer(nn.Module):
+    """Pre-norm decoder with rotary positions, SwiGLU (or MoE) and causal SDPA."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layout = cfg.block_layout
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(self._make_block(letter) for letter in self.layout)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.rope = Rotary(cfg.head_dim, cfg.context, cfg.rope_theta)
+        self.windows = stride_windows(self.layout)
+        self.reset_parameters()
+
+    def _make_block(self, letter: str) -> nn.Module:
+        if letter == "s":
+            return RoutedBlock(self.cfg)
+        return DenseBlock(self.cfg, moe=letter == "E")
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled down by
+        sqrt(2 * active-equivalent depth), so a sparse stack starts with the residual
+        growth of the dense model it is compute-matched to; routers start at zero
+        scale plus noise so top-k is not tied at step 0."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * max(1.0, active_depth(self.cfg)))
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue  # norms, gammas, biases keep their own init
+            if name.endswith(("attn.proj.weight", "down.weight")):
+                nn.init.normal_(p, 0.0, out_std)
+            else:
+                nn.init.normal_(p, 0.0, std)
+        for block in self.blocks:
+            if isinstance(block, RoutedBlock) and block.predictor is not None:
+                for layer in block.predictor:
+                    if isinstance(layer, nn.Linear):
+                        nn.init.zeros_(layer.bias)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self,
+        idx_BT: torch.Tensor,
+        targets_BT: torch.Tensor | None = None,
+        routing_mode: str = "topk",
+        return_stats: bool = False,
+    ) -> ModelOutput:
+        """Run the stack. ``routing_mode``: ``topk`` (training) or ``causal`` (inference)."""
+        assert routing_mode in ROUTING_MODES, routing_mode
+        T = idx_BT.shape[1]
+        assert T <= self.cfg.context, f"sequence length {T} exceeds context {self.cfg.context}"
+        pos_T = torch.arange(T, device=idx_BT.device)
+        x_BTD = self.embed(idx_BT)
+        outs: list[BlockOutput] = []
+        for block in self.blocks:
+            x_BTD, out = block(x_BTD, self.rope, pos_T, routing_mode)
+            outs.append(out)
+        logits = self.head(self.norm(x_BTD))
+        result = ModelOutput(logits=logits)
+        if targets_BT is not None:
+            result.loss = F.cross_entropy(
+                logits.float().view(-1, logits.shape[-1]), targets_BT.reshape(-1)
+            )
+            result.aux, result.aux_loss = self._aux_losses(outs)
+        if return_stats:
+            result.stats = self._stats(outs)
+        return result
+
+    def _aux_losses(
+        self, outs: list[BlockOutput]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        cfg = self.cfg
+        grouped: dict[str, list[torch.Tensor]] = {}
+        for out in outs:
+            for key, value in out.aux.items():
+                grouped.setdefault(key, []).append(value)
+        aux = {key: torch.stack(vals).mean() for key, vals in grouped.items()}
+        sparse = [o for o in outs if o.r_BT is not None]
+        if cfg.balance_coef > 0 and sparse and self.windows:
+            probs = [torch.sigmoid(o.r_BT) for o in sparse]
+            aux["balance"] = routing.balance_loss(
+                [torch.stack([probs[i] for i in w], dim=-1) for w in self.windows]
+            )
+        weights = {
+            "causal_bce": cfg.causal_coef,
+            "balance": cfg.balance_coef,
+            "moe_balance": cfg.moe_aux_coef,
+            "moe_z": cfg.moe_z_coef,
+        }
+        terms = [weights[k] * v for k, v in aux.items() if weights[k] > 0]
+        total = torch.stack(terms).sum() if terms else None
+        return {k: v.detach() for k, v in aux.items()}, total
+
+    def _stats(self, outs: list[BlockOutput]) -> dict[str, object]:
+        sparse = [o for o in outs if o.r_BT is not None]
+        if not sparse:
+            return {}
+        topk = [o.topk_BT for o in sparse]
+        return routing.routing_stats(
+            selections=[o.processed_BT for o in sparse],
+            windows=self.windows,
+            causal=[o.causal_BT for o in sparse],
+            topk=topk if all(t is not None for t in topk) else None,
+        )

@@ -1,0 +1,237 @@
+"""Equivalence and behaviour tests of the model family (DESIGN 2, 3, 6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model_cfg
+from xmodlm.config import load_config, preset_names
+from xmodlm.model import Transformer, routing
+from xmodlm.model.blocks import RoutedBlock
+from xmodlm.model.layers import SwiGLU
+from xmodlm.model.moe import MoEMLP
+
+
+def _tokens(cfg, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (batch, cfg.context))
+
+
+def _copy_matching(src: Transformer, dst: Transformer) -> None:
+    """Load src's weights into dst wherever names match after stripping routing extras."""
+    src_state = src.state_dict()
+    dst_state = dst.state_dict()
+    for name in dst_state:
+        if name in src_state:
+            dst_state[name] = src_state[name].clone()
+    dst.load_state_dict(dst_state)
+
+
+def _grads(model: Transformer) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_xmod_capacity_one_equals_dense_forward_and_grads() -> None:
+    """With c = 1 and the gate neutralised (g = 1), every sparse block is a dense block."""
+    dense_cfg = tiny_model_cfg(n_layers=4)
+    # explicit layout keeps the routed blocks although capacity is 1
+    xmod_cfg = tiny_model_cfg(n_layers=4, layout="DsDs", capacity=1.0, gating="variance_scaled")
+    dense, xmod = Transformer(dense_cfg), Transformer(xmod_cfg)
+    _copy_matching(dense, xmod)
+    for block in xmod.blocks:
+        if isinstance(block, RoutedBlock):
+            torch.nn.init.zeros_(block.router.weight)  # sigmoid(0) = 1/2 ...
+            block.gamma.data.fill_(2.0)  # ... times gamma 2: gate exactly 1
+    x = _tokens(dense_cfg)
+    out_d, out_x = dense(x, x), xmod(x, x)
+    torch.testing.assert_close(out_x.logits, out_d.logits, rtol=1e-5, atol=1e-5)
+    out_d.loss.backward()
+    out_x.loss.backward()
+    gd, gx = _grads(dense), _grads(xmod)
+    for name, g in gd.items():
+        torch.testing.assert_close(gx[name], g, rtol=1e-4, atol=1e-6)
+
+
+def test_stride_one_equals_dense() -> None:
+    """S = 1 derives an all-dense layout: identical parameters and outputs."""
+    a = Transformer(tiny_model_cfg(stride=1, capacity=0.125, gating="variance_scaled"))
+    b = Transformer(tiny_model_cfg())
+    assert a.layout == b.layout == "DDDD"
+    b.load_state_dict(a.state_dict())
+    x = _tokens(a.cfg)
+    torch.testing.assert_close(a(x).logits, b(x).logits)
+
+
+def test_exactly_k_tokens_selected_and_sorted() -> None:
+    r_BT = torch.randn(3, 50)
+    for c in (0.01, 0.125, 0.5, 1.0):
+        k = routing.capacity_tokens(c, 50)
+        idx = routing.topk_indices(r_BT, k)
+        assert idx.shape == (3, k)
+        assert (idx[:, 1:] > idx[:, :-1]).all(), "indices must be sorted (causal order)"
+        expected = torch.topk(r_BT, k, dim=-1).indices.sort(-1).values
+        assert torch.equal(idx, expected)
+    valid = torch.ones(3, 50, dtype=torch.bool)
+    valid[:, :10] = False
+    r_big = r_BT.clone()
+    r_big[:, :10] = 100.0  # padding must never win
+    idx = routing.topk_indices(r_big, 5, valid)
+    assert (idx >= 10).all()
+
+
+def test_routed_block_gather_path_equals_masked_reference() -> None:
+    """The gathered k-token block equals dense attention masked to those tokens at
+    their original positions (forward and backward)."""
+    cfg = tiny_model_cfg(n_layers=4, stride=2, capacity=0.25, gating="sigmoid")
+    model = Transformer(cfg)
+    block = model.blocks[1]
+    assert isinstance(block, RoutedBlock)
+    x = torch.randn(2, cfg.context, cfg.d_model, requires_grad=True)
+    pos = torch.arange(cfg.context)
+    y_fast, out = block(x, model.rope, pos, "topk")
+    r = block.router_logits(x)
+    y_ref = block.masked_forward(x, r, out.topk_BT, model.rope, pos)
+    torch.testing.assert_close(y_fast, y_ref, rtol=1e-5, atol=1e-5)
+    (g_fast,) = torch.autograd.grad(y_fast.square().sum(), x)
+    (g_ref,) = torch.autograd.grad(y_ref.square().sum(), x)
+    torch.testing.assert_close(g_fast, g_ref, rtol=1e-4, atol=1e-5)
+    # unselected tokens ride the residual stream unchanged
+    torch.testing.assert_close(y_fast[~out.topk_BT], x[~out.topk_BT])
+
+
+@pytest.mark.parametrize("gating", ["logit", "sigmoid", "variance_scaled"])
+def test_router_receives_gradient(gating: str) -> None:
+    cfg = tiny_model_cfg(stride=2, capacity=0.25, gating=gating, causal_coef=0.0)
+    model = Transformer(cfg)
+    x = _tokens(cfg)
+    model(x, x).loss.backward()  # LM loss only: the gate alone must carry the gradient
+    for block in model.blocks:
+        if isinstance(block, RoutedBlock):
+            assert block.router.weight.grad is not None
+            assert block.router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("causal_router", ["bce", "predictor"])
+def test_causal_mode_is_causal(causal_router: str) -> None:
+    cfg = tiny_model_cfg(stride=2, capacity=0.25, causal_router=causal_router)
+    model = Transformer(cfg).eval()
+    # make the decisions non-trivial: some tokens in, some out
+    for block in model.blocks:
+        if isinstance(block, RoutedBlock):
+            torch.nn.init.normal_(block.router.weight, std=1.0)
+    x = _tokens(cfg, batch=1)
+    t = cfg.context // 2
+    y = x.clone()
+    y[:, t + 1 :] = torch.randint(0, cfg.vocab_size, (1, cfg.context - t - 1))
+    with torch.no_grad():
+        a = model(x, routing_mode="causal").logits
+        b = model(y, routing_mode="causal").logits
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1])
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])
+
+
+def test_topk_mode_is_not_causal() -> None:
+    """Sanity check of the test above: top-k routing does look ahead."""
+    cfg = tiny_model_cfg(stride=2, capacity=0.25)
+    model = Transformer(cfg).eval()
+    for block in model.blocks:
+        if isinstance(block, RoutedBlock):
+            torch.nn.init.normal_(block.router.weight, std=1.0)
+    x = _tokens(cfg, batch=1)
+    y = x.clone()
+    y[:, cfg.context // 2 :] = (y[:, cfg.context // 2 :] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        a, b = model(x).logits, model(y).logits
+    assert not torch.allclose(a[:, : cfg.context // 2], b[:, : cfg.context // 2])
+
+
+def test_predictor_does_not_touch_lm_loss() -> None:
+    cfg = tiny_model_cfg(stride=2, capacity=0.25, causal_router="predictor")
+    model = Transformer(cfg)
+    x = _tokens(cfg)
+    model(x, x).loss.backward()
+    for block in model.blocks:
+        if isinstance(block, RoutedBlock):
+            assert all(p.grad is None for p in block.predictor.parameters())
+    out = model(x, x)
+    out.total_loss.backward()  # the BCE trains the predictor
+    preds = [b.predictor for b in model.blocks if isinstance(b, RoutedBlock)]
+    assert all(p[0].weight.grad is not None for p in preds)
+
+
+def test_moe_one_expert_equals_dense_mlp() -> None:
+    mlp = SwiGLU(32, 64)
+    moe = MoEMLP(32, 64, n_experts=1, top_k=1)
+    moe.experts[0].load_state_dict(mlp.state_dict())
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    y_moe, aux = moe(x)
+    torch.testing.assert_close(y_moe, mlp(x))
+    (g1,) = torch.autograd.grad(y_moe.sum(), x)
+    (g2,) = torch.autograd.grad(mlp(x).sum(), x)
+    torch.testing.assert_close(g1, g2)
+    assert aux["moe_balance"].item() == pytest.approx(1.0)
+
+
+def test_moe_loop_equals_reference_mixture() -> None:
+    """The sorted dispatch equals the naive per-token weighted sum of expert outputs."""
+    moe = MoEMLP(16, 32, n_experts=4, top_k=2)
+    x = torch.randn(1, 10, 16)
+    y, _ = moe(x)
+    probs = torch.softmax(x[0] @ moe.router.weight.T, -1)
+    w, e = probs.topk(2, -1)
+    w = w / w.sum(-1, keepdim=True)
+    ref = torch.stack(
+        [sum(w[t, j] * moe.experts[int(e[t, j])](x[0, t]) for j in range(2)) for t in range(10)]
+    )
+    torch.testing.assert_close(y[0], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_aux_losses_and_stats_come_back_from_forward() -> None:
+    cfg = tiny_model_cfg(n_layers=8, stride=4, capacity=0.25, balance_coef=0.01)
+    model = Transformer(cfg)
+    x = _tokens(cfg)
+    out = model(x, x, return_stats=True)
+    assert set(out.aux) == {"causal_bce", "balance"}
+    assert out.aux_loss is not None and out.aux_loss.requires_grad
+    s = out.stats
+    assert len(s["coverage"]) == 2 and len(s["jaccard"]) == 5
+    assert len(s["depth_hist"]) == 7 and abs(sum(s["depth_hist"]) - 1) < 1e-6
+    assert all(abs(c - 0.25) < 1e-6 for c in s["capacity_used"])
+    assert 0.0 <= s["agreement_mean"] <= 1.0
+    # balancing off costs nothing: the term is not even computed
+    cfg_off = tiny_model_cfg(n_layers=8, stride=4, capacity=0.25, balance_coef=0.0)
+    assert "balance" not in Transformer(cfg_off)(x, x).aux
+
+
+def test_balance_loss_zero_when_balanced_and_positive_when_collapsed() -> None:
+    even = torch.full((2, 10, 3), 0.5)
+    assert routing.balance_loss([even]).item() == pytest.approx(0.0, abs=1e-9)
+    collapsed = torch.zeros(2, 10, 3)
+    collapsed[:, :2] = 1.0
+    assert routing.balance_loss([collapsed]).item() > 1.0
+
+
+def test_explicit_layout_overrides_derived() -> None:
+    cfg = tiny_model_cfg(n_layers=6, stride=3, capacity=0.5, layout="Dsssss")
+    model = Transformer(cfg)
+    assert model.layout == "Dsssss"
+    assert model.windows == [[0, 1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_builds_and_trains_one_step(name: str) -> None:
+    cfg = load_config(name, ["model.context=32", "model.d_model=64", "model.n_heads=4"])
+    model = Transformer(cfg.model)
+    x = torch.randint(0, cfg.model.vocab_size, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, x)
+    out.total_loss.backward()
+    assert torch.isfinite(out.total_loss)
+    assert sum(p.grad is not None for p in model.parameters()) > 0
+    with torch.no_grad():
+        assert torch.isfinite(model(x, routing_mode="causal").logits).all()
+
+
+def test_variance_scaled_gamma_rule() -> None:
+    assert routing.variance_scaled_gamma_init(1.0, 4) == pytest.approx(2.0)
+    assert routing.variance_scaled_gamma_init(0.25, 8) == pytest.approx(1.0)
