@@ -73,6 +73,46 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    import logging
+
+    from xmodlm.data.prepare import prepare
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    manifest = prepare(
+        args.out,
+        vocab_size=args.vocab_size,
+        texts=args.text,
+        jsonl=args.jsonl,
+        parquet=args.parquet,
+        hf_dataset=args.hf_dataset,
+        seed=args.seed,
+    )
+    splits = manifest["splits"]
+    print(
+        f"{args.out}: vocab {manifest['vocab_size']}, tokens "
+        + ", ".join(f"{k} {v['tokens']:,}" for k, v in splits.items())
+    )
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from xmodlm.config import load_config
+    from xmodlm.train.trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    summary = train(cfg, args.out, progress=not args.quiet)
+    if args.json:
+        _print_json(summary)
+    else:
+        print(
+            f"{args.out}: {summary['status']} after {summary['steps']} steps,"
+            f" val loss {summary['final_val_loss']} (top-k),"
+            f" {summary['final_val_loss_causal']} (causal), {summary['val_bpb']} bpb"
+        )
+    return {"ok": 0, "interrupted": 130}.get(summary["status"], 1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="xmod",
@@ -87,6 +127,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("presets", help="list the shipped config presets")
     p.set_defaults(func=cmd_presets)
+
+    p = sub.add_parser("data", help="prepare training data")
+    data_sub = p.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
+    p = data_sub.add_parser(
+        "prepare",
+        help="build the default corpus (or your files): splits, BPE tokenizer, token files",
+    )
+    p.add_argument("--out", default="data/corpus", help="output directory (default data/corpus)")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--text", nargs="+", metavar="PATH", help="plain-text files or directories")
+    p.add_argument("--jsonl", nargs="+", metavar="PATH", help="JSONL files with a 'text' field")
+    p.add_argument("--parquet", nargs="+", metavar="PATH", help="Parquet files with a 'text' column")
+    p.add_argument("--hf-dataset", metavar="NAME", help="a Hugging Face dataset (needs a network)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the document split")
+    p.set_defaults(func=cmd_data_prepare)
+
+    p = sub.add_parser("train", help="train a model; rerun on the same --out to resume")
+    _add_config_args(p)
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_train)
 
     return parser
 

@@ -118,9 +118,12 @@ class Transformer(nn.Module):
         pos_T = torch.arange(T, device=idx_BT.device)
         x_BTD = self.embed(idx_BT)
         outs: list[BlockOutput] = []
+        rms: list[float] = []
         for block in self.blocks:
             x_BTD, out = block(x_BTD, self.rope, pos_T, routing_mode)
             outs.append(out)
+            if return_stats:
+                rms.append(float(x_BTD.detach().float().pow(2).mean(-1).sqrt().mean()))
         logits = self.head(self.norm(x_BTD))
         result = ModelOutput(logits=logits)
         if targets_BT is not None:
@@ -129,7 +132,7 @@ class Transformer(nn.Module):
             )
             result.aux, result.aux_loss = self._aux_losses(outs)
         if return_stats:
-            result.stats = self._stats(outs)
+            result.stats = {"residual_rms": rms, **self._stats(outs)}
         return result
 
     def _aux_losses(

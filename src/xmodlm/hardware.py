@@ -1,0 +1,115 @@
+"""What machine a run is on: device choice, measured matmul peak, environment record.
+
+MFU is reported against the matmul throughput *measured* on this machine, not a
+datasheet number, so CPU and GPU figures mean the same thing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        from xmodlm.errors import UserError
+
+        raise UserError(f"device {name!r} requested but CUDA is not available: use cpu or auto")
+    return torch.device(name)
+
+
+def autocast_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@functools.lru_cache(maxsize=8)
+def matmul_peak_gflops(dtype: str = "bf16", device: str = "cpu", n: int = 1024) -> float:
+    """Best-of-several n x n matmul throughput in GFLOP/s (cached per process)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        n = max(n, 8192)
+    a = torch.randn(n, n, device=dev, dtype=_DTYPES[dtype])
+    b = torch.randn(n, n, device=dev, dtype=_DTYPES[dtype])
+    for _ in range(3):
+        torch.mm(a, b)
+    _sync(dev)
+    best = float("inf")
+    reps = 10 if dev.type == "cuda" else 5
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def _git_commit() -> str | None:
+    src = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment_record() -> dict[str, Any]:
+    """Everything needed to reproduce a figure: code version, packages, hardware."""
+    import numpy
+
+    import xmodlm
+
+    record: dict[str, Any] = {
+        "xmodlm": xmodlm.__version__,
+        "git_commit": _git_commit(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "argv": sys.argv,
+        "cuda": None,
+    }
+    if torch.cuda.is_available():
+        record["cuda"] = {
+            "device": torch.cuda.get_device_name(0),
+            "count": torch.cuda.device_count(),
+            "version": torch.version.cuda,
+        }
+    return record

@@ -1,0 +1,1 @@
+"""Training: the loop, optimiser and schedule, checkpoints, loggers."""

@@ -1,0 +1,174 @@
+"""Checkpoints and run directories.
+
+A run directory holds::
+
+    config.yaml          the fully resolved configuration
+    tokenizer.json       copied from the data directory, so the run is self-contained
+    env.json             git commit, package versions, hardware, threads
+    metrics.jsonl        one JSON object per logged step
+    summary.json         written on success (or divergence)
+    ckpt/step_00000200/  model.safetensors + state.pt (optimiser, schedule, RNG, data
+                         position, counters) + meta.json, written atomically
+
+A checkpoint directory is complete once ``meta.json`` exists: it is written last,
+after everything else was fsynced, and the directory itself is renamed into place
+from a temporary name, so a crash leaves either a whole checkpoint or none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from xmodlm.config import Config, load_config
+from xmodlm.errors import UserError
+from xmodlm.model import Transformer
+
+CKPT_DIR = "ckpt"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file, fsync and rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Write a complete checkpoint atomically and prune all but the last ``keep_last``."""
+    root = Path(run_dir) / CKPT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp_step_{step:08d}_"))
+    try:
+        weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(_untie(weights), str(tmp / "model.safetensors"))
+        torch.save(state, tmp / "state.pt")
+        for name in ("model.safetensors", "state.pt"):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        atomic_write_json(tmp / "meta.json", {**meta, "step": step})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in checkpoint_dirs(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage (tied embeddings): store a copy."""
+    seen: dict[int, str] = {}
+    out = {}
+    for k, v in weights.items():
+        ptr = v.data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.setdefault(ptr, k)
+    return out
+
+
+def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
+    """Load ``model.safetensors`` into ``model``; any mismatch is a UserError naming the file."""
+    path = Path(ckpt) / "model.safetensors"
+    try:
+        weights = load_file(str(path))
+    except Exception as err:  # truncated or not a safetensors file
+        raise UserError(f"checkpoint {path} cannot be read: {err}") from None
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError:
+        raise UserError(
+            f"checkpoint {path} does not match the run's configuration"
+            " (different architecture): use the config it was trained with"
+        ) from None
+
+
+def load_state(ckpt: Path) -> dict[str, Any]:
+    path = Path(ckpt) / "state.pt"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise UserError(f"checkpoint state {path} cannot be read: {err}") from None
+
+
+def load_run(
+    run_dir: str | Path, device: str = "cpu", step: int | None = None
+) -> tuple[Config, Transformer, Path]:
+    """The model of a finished or running run: (config, model in eval mode, checkpoint).
+
+    Uses the newest complete checkpoint that loads (or ``step``); a checkpoint that
+    fails to load is reported by name and the previous one is tried.
+    """
+    run = Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise UserError(f"run directory {str(run)!r} not found or has no config.yaml")
+    cfg = load_config(run / "config.yaml")
+    ckpts = checkpoint_dirs(run)
+    if step is not None:
+        ckpts = [p for p in ckpts if int(p.name.split("_")[1]) == step]
+    if not ckpts:
+        raise UserError(f"run directory {str(run)!r} has no complete checkpoint yet")
+    errors = []
+    for ckpt in reversed(ckpts):
+        model = Transformer(cfg.model)
+        try:
+            load_model_weights(ckpt, model)
+        except UserError as err:
+            errors.append(str(err))
+            continue
+        return cfg, model.to(device).eval(), ckpt
+    raise UserError(errors[0] if len(errors) == 1 else f"no checkpoint loads: {errors[0]}")
+
+
+def tokenizer_path(run_dir: str | Path) -> Path:
+    path = Path(run_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"run directory {str(run_dir)!r} has no tokenizer.json")
+    return path

@@ -1,0 +1,467 @@
+"""The training loop: one process or many (``torchrun``), CPU or GPU, resumable.
+
+``train(cfg, run_dir)`` is the whole contract of ``xmod train``: it writes the
+resolved config, an environment record, ``metrics.jsonl``, atomic checkpoints
+and, on success, ``summary.json``. Calling it again on the same directory
+resumes from the newest checkpoint that loads. Batches are a pure function of
+(seed, step), so a resumed run continues exactly as an uninterrupted one would.
+
+Distributed: when ``WORLD_SIZE > 1`` (as set by ``torchrun``) the model is
+wrapped in DDP (gloo on CPU, NCCL on GPU), or sharded with FSDP2 when
+``train.fsdp`` is set; each rank reads its slice of the global batch; only rank
+0 writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from xmodlm import flops
+from xmodlm.config import Config, load_config
+from xmodlm.data.batches import bits_per_byte, get_batch, load_manifest, load_split, val_batches
+from xmodlm.errors import UserError
+from xmodlm.hardware import autocast_dtype, environment_record, matmul_peak_gflops, resolve_device
+from xmodlm.model import Transformer
+from xmodlm.train import checkpoint as ckpt_io
+from xmodlm.train.loggers import MetricLogger
+from xmodlm.train.optim import build_optimizer, lr_at
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device_name: str) -> Dist:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        use_nccl = torch.cuda.is_available() and device_name != "cpu"
+        if use_nccl:
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend="nccl" if use_nccl else "gloo")
+    return Dist(rank, world, local)
+
+
+@dataclass
+class Budget:
+    total_steps: int
+    tokens_per_step: int
+    source: str  # what set the budget: max_steps, tokens or compute
+
+
+def resolve_budget(cfg: Config, world_size: int) -> Budget:
+    """Steps from train.max_steps, else the token budget, else compute C (D = C / F)."""
+    t = cfg.train
+    per_step = t.batch_size * t.grad_accum * world_size * cfg.model.context
+    if t.max_steps > 0:
+        return Budget(t.max_steps, per_step, "max_steps")
+    if t.tokens > 0:
+        tokens, source = float(t.tokens), "tokens"
+    elif t.compute > 0:
+        tokens, source = t.compute / flops.count(cfg.model).flops_train, "compute"
+    else:
+        raise UserError(
+            "no training budget: set train.max_steps, train.tokens or train.compute (FLOPs)"
+        )
+    steps = int(tokens // per_step)
+    if steps < 1:
+        raise UserError(
+            f"train.{source} gives {tokens:.3g} tokens, less than one batch of {per_step} tokens"
+            " (batch_size x grad_accum x ranks x context): raise the budget or shrink the batch"
+        )
+    return Budget(steps, per_step, source)
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimiser steps completed
+    tokens: int = 0
+    bad_steps: int = 0  # consecutive non-finite losses
+    skipped_steps: int = 0  # all non-finite losses
+    wall_s: float = 0.0  # across resumes
+    last_eval: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints and exits at the next step."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def handler(signum: int, frame: Any) -> None:
+            self.signum = signum
+
+        for s in previous:
+            signal.signal(s, handler)
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def _autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager[Any]:
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=autocast_dtype(dtype))
+
+
+@torch.no_grad()
+def evaluate(
+    model: Transformer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    dtype: str,
+    manifest: dict[str, Any] | None = None,
+    split: str = "val",
+) -> dict[str, Any]:
+    """Validation loss under top-k and causal routing, bits per byte, routing stats."""
+    was_training = model.training
+    model.eval()
+    sums = {"topk": 0.0, "causal": 0.0}
+    stats_acc: dict[str, list[Any]] = {}
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with _autocast(device, dtype):
+            out_t = model(x, y, routing_mode="topk", return_stats=True)
+            sums["topk"] += float(out_t.loss)
+            if "s" in model.layout:
+                out_c = model(x, y, routing_mode="causal", return_stats=True)
+                sums["causal"] += float(out_c.loss)
+                stats_acc.setdefault("capacity_causal", []).append(out_c.stats["capacity_used"])
+            else:
+                sums["causal"] += float(out_t.loss)
+        for key, value in out_t.stats.items():
+            stats_acc.setdefault(key, []).append(value)
+    model.train(was_training)
+    n = len(batches)
+    result: dict[str, Any] = {
+        "val_loss_topk": sums["topk"] / n,
+        "val_loss_causal": sums["causal"] / n,
+    }
+    if manifest is not None:
+        result["val_bpb"] = bits_per_byte(result["val_loss_topk"], manifest, split)
+        result["val_bpb_causal"] = bits_per_byte(result["val_loss_causal"], manifest, split)
+    for key, values in stats_acc.items():
+        result[key] = _mean_nested(values)
+    if "agreement_mean" in result:
+        result["routing_agreement"] = result.pop("agreement_mean")
+    return result
+
+
+def _mean_nested(values: list[Any]) -> Any:
+    if isinstance(values[0], list):
+        return [sum(v[i] for v in values) / len(values) for i in range(len(values[0]))]
+    return sum(values) / len(values)
+
+
+def _prepare_run_dir(cfg: Config, run: Path, is_main: bool) -> None:
+    """Write (or check) the resolved config; a run directory belongs to one model."""
+    path = run / "config.yaml"
+    if path.is_file():
+        old = load_config(path)
+        if old.model != cfg.model or old.data != cfg.data:
+            raise UserError(
+                f"run directory {str(run)!r} holds a run with a different model or data config:"
+                " resume with the same config or choose a new --out"
+            )
+    if is_main:
+        run.mkdir(parents=True, exist_ok=True)
+        ckpt_io.atomic_write_text(path, cfg.to_yaml())
+
+
+def _check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
+    if manifest["vocab_size"] > cfg.model.vocab_size:
+        raise UserError(
+            f"data vocabulary {manifest['vocab_size']} exceeds model.vocab_size="
+            f"{cfg.model.vocab_size}: set model.vocab_size >= {manifest['vocab_size']}"
+        )
+
+
+def _restore(
+    run: Path, model: nn.Module, opt: torch.optim.Optimizer, log: Callable[[str], None]
+) -> TrainState | None:
+    """Load the newest checkpoint that loads; name and skip any that do not."""
+    for ckpt in reversed(ckpt_io.checkpoint_dirs(run)):
+        try:
+            ckpt_io.load_model_weights(ckpt, model)
+            state = ckpt_io.load_state(ckpt)
+            opt.load_state_dict(state["optimizer"])
+        except (UserError, KeyError, ValueError) as err:
+            log(f"checkpoint {ckpt} is unusable ({err}); trying the previous one")
+            continue
+        torch.set_rng_state(state["rng_cpu"])
+        if torch.cuda.is_available() and state.get("rng_cuda") is not None:
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        log(f"resumed from {ckpt}")
+        return TrainState(**state["train_state"])
+    return None
+
+
+def train(
+    cfg: Config,
+    run_dir: str | Path,
+    progress: bool = True,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Train ``cfg`` into ``run_dir`` (resuming if it holds checkpoints).
+
+    Returns the summary (``status`` is ``ok``, ``diverged`` or ``interrupted``).
+    ``on_step(step, record)`` is called after every optimiser step.
+    """
+    cfg.validate()
+    run = Path(run_dir)
+    t = cfg.train
+    device = resolve_device(t.device)
+    ddp = setup_distributed(t.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", ddp.local_rank)
+    budget = resolve_budget(cfg, ddp.world_size)
+    manifest = load_manifest(cfg.data.dir)
+    _check_vocab(cfg, manifest)
+    train_data = load_split(cfg.data.dir, "train")
+    val_data = load_split(cfg.data.dir, "val")
+    train_data.check_context(cfg.model.context)
+    fixed_val = val_batches(val_data, cfg.data.val_batches, t.batch_size, cfg.model.context)
+
+    _prepare_run_dir(cfg, run, ddp.is_main)
+    logger = MetricLogger(run, cfg, enabled=ddp.is_main, progress=progress)
+    if ddp.is_main:
+        tok = Path(cfg.data.dir) / "tokenizer.json"
+        if tok.is_file():
+            shutil.copyfile(tok, run / "tokenizer.json")
+        ckpt_io.atomic_write_json(run / "env.json", environment_record())
+
+    torch.manual_seed(t.seed)
+    model = Transformer(cfg.model).to(device)
+    opt = build_optimizer(model, t)
+    state = _restore(run, model, opt, logger.note) or TrainState()
+    logger.truncate_after(state.step)
+    wrapped = _wrap(model, cfg, ddp, device)
+    counts = flops.count(cfg.model)
+    peak = matmul_peak_gflops(t.dtype, device.type) * 1e9 * ddp.world_size
+    stop = _StopFlag()
+    logger.start(budget.total_steps, state.step)
+    status = "ok"
+    t_run = time.perf_counter() - state.wall_s
+    with stop.installed():
+        while state.step < budget.total_steps:
+            t0 = time.perf_counter()
+            lr = lr_at(state.step, budget.total_steps, t)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            record = _train_step(wrapped, opt, train_data, cfg, state.step, ddp, device)
+            finite = math.isfinite(record["loss"])
+            if finite:
+                state.bad_steps = 0
+            else:
+                state.bad_steps += 1
+                state.skipped_steps += 1
+                logger.note(f"step {state.step}: non-finite loss, step skipped")
+                if state.bad_steps >= t.max_bad_steps:
+                    status = "diverged"
+                    break
+            state.step += 1
+            state.tokens += budget.tokens_per_step
+            dt = time.perf_counter() - t0
+            state.wall_s = time.perf_counter() - t_run
+            record.update(
+                step=state.step,
+                tokens=state.tokens,
+                lr=lr,
+                step_s=dt,
+                tokens_per_s=budget.tokens_per_step / dt,
+                mfu=counts.flops_train * budget.tokens_per_step / dt / peak,
+            )
+            last = state.step == budget.total_steps
+            if state.step % t.log_every == 0 or last or not finite:
+                logger.log(record)
+            logger.advance(record)
+            if ddp.is_main and (state.step % t.eval_every == 0 or last):
+                state.last_eval = evaluate(model, fixed_val, device, t.dtype, manifest)
+                logger.log({"step": state.step, "tokens": state.tokens, "kind": "eval",
+                            **state.last_eval})
+            if on_step is not None:
+                on_step(state.step, record)
+            if stop.signum is not None:
+                status = "interrupted"
+                break
+            if state.step % t.ckpt_every == 0 or last:
+                _save(run, model, opt, state, cfg, ddp)
+    state.wall_s = time.perf_counter() - t_run
+    if status == "interrupted":
+        _save(run, model, opt, state, cfg, ddp)
+        logger.note(f"interrupted at step {state.step}: checkpoint written, rerun to resume")
+    logger.close()
+    summary = _summary(cfg, state, counts, status, budget)
+    if ddp.is_main and status != "interrupted":
+        ckpt_io.atomic_write_json(run / "summary.json", summary)
+    return summary
+
+
+def _wrap(model: Transformer, cfg: Config, ddp: Dist, device: torch.device) -> nn.Module:
+    """Apply parallelism and compilation from outside the model."""
+    wrapped: nn.Module = model
+    if ddp.world_size > 1:
+        if cfg.train.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            wrapped = DistributedDataParallel(
+                model,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                # MoE experts may receive no token in a step
+                find_unused_parameters="E" in model.layout,
+            )
+    mode = cfg.train.compile
+    if mode == "on" or (mode == "auto" and device.type == "cuda"):
+        wrapped = torch.compile(wrapped)
+    return wrapped
+
+
+def _train_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    data: Any,
+    cfg: Config,
+    step: int,
+    ddp: Dist,
+    device: torch.device,
+) -> dict[str, Any]:
+    """One optimiser step over ``grad_accum`` micro-batches; returns what to log."""
+    t = cfg.train
+    loss_sum = torch.zeros((), device=device)
+    aux_sums: dict[str, torch.Tensor] = {}
+    for micro in range(t.grad_accum):
+        x, y = get_batch(
+            data, t.batch_size, cfg.model.context, t.seed, step * t.grad_accum + micro,
+            ddp.rank, ddp.world_size,
+        )
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        sync = micro == t.grad_accum - 1 or not hasattr(model, "no_sync")
+        ctx = contextlib.nullcontext() if sync else model.no_sync()
+        with ctx:
+            with _autocast(device, t.dtype):
+                out = model(x, y)
+            (out.total_loss / t.grad_accum).backward()
+        loss_sum += out.loss.detach() / t.grad_accum
+        for k, v in out.aux.items():
+            aux_sums[k] = aux_sums.get(k, 0.0) + v / t.grad_accum
+    if ddp.world_size > 1:
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+    loss = float(loss_sum)
+    record: dict[str, Any] = {"loss": loss, **{k: float(v) for k, v in aux_sums.items()}}
+    if math.isfinite(loss):
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip))
+        record["grad_norm"] = grad_norm
+        if math.isfinite(grad_norm):
+            opt.step()
+        else:  # a finite loss with overflowing gradients is skipped like a NaN loss
+            record["loss"] = float("nan")
+    opt.zero_grad(set_to_none=True)
+    return record
+
+
+def _save(
+    run: Path,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    state: TrainState,
+    cfg: Config,
+    ddp: Dist,
+) -> None:
+    if not ddp.is_main:
+        return
+    payload = {
+        "optimizer": opt.state_dict(),
+        "train_state": state.as_dict(),
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    meta = {"tokens": state.tokens, "config_name": cfg.name}
+    ckpt_io.save_checkpoint(run, state.step, model, payload, meta, cfg.train.keep_last)
+
+
+def _summary(
+    cfg: Config, state: TrainState, counts: flops.Counts, status: str, budget: Budget
+) -> dict[str, Any]:
+    ev = state.last_eval
+    m = cfg.model
+    return {
+        "status": status,
+        "name": cfg.name,
+        "family": m.family,
+        "final_val_loss": ev.get("val_loss_topk"),
+        "final_val_loss_causal": ev.get("val_loss_causal"),
+        "val_bpb": ev.get("val_bpb"),
+        "val_bpb_causal": ev.get("val_bpb_causal"),
+        "routing_agreement": ev.get("routing_agreement"),
+        "steps": state.step,
+        "tokens": state.tokens,
+        "flops": counts.flops_train * state.tokens,
+        "flops_per_token": counts.flops_train,
+        "params_total": counts.params_total,
+        "params_non_embedding": counts.params_non_embedding,
+        "params_active": counts.params_active,
+        "layout": m.block_layout,
+        "width": m.d_model,
+        "n_layers": m.n_layers,
+        "stride": m.stride,
+        "capacity": m.capacity,
+        "context": m.context,
+        "gating": m.gating,
+        "balance_coef": m.balance_coef,
+        "seed": cfg.train.seed,
+        "skipped_steps": state.skipped_steps,
+        "budget_source": budget.source,
+        "wall_s": state.wall_s,
+    }
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of a run's metrics.jsonl (train and eval)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
