@@ -1,0 +1,224 @@
+"""Trainer: exact resume after a hard kill, DDP equivalence, schedules, clear errors."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+
+from xmodlm.cli import main
+from xmodlm.config import Config, TrainConfig, load_config
+from xmodlm.errors import UserError
+from xmodlm.train.checkpoint import checkpoint_dirs, load_run
+from xmodlm.train.optim import lr_at
+from xmodlm.train.trainer import read_metrics, train
+
+
+def small_cfg(data_dir: Path, *extra: str) -> Config:
+    """A 4-block X-MoD model of width 32 on the tiny corpus, fp32 for exactness."""
+    return load_config(
+        "xmod-tiny",
+        [
+            f"data.dir={data_dir}",
+            "data.val_batches=2",
+            "model.vocab_size=300",
+            "model.d_model=32",
+            "model.n_heads=2",
+            "model.n_layers=4",
+            "model.stride=2",
+            "model.capacity=0.5",
+            "model.context=32",
+            "train.batch_size=4",
+            "train.dtype=fp32",
+            "train.warmup_steps=5",
+            "train.log_every=1",
+            "train.eval_every=1000",
+            *extra,
+        ],
+    )
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run) if r.get("kind") != "eval"}
+
+
+def _train_and_kill(cfg_yaml: str, run: str, kill_at: int) -> None:
+    """Child process: train, then SIGKILL itself in the middle of the run."""
+    import yaml
+
+    cfg = Config.from_dict(yaml.safe_load(cfg_yaml)).validate()
+
+    def on_step(step: int, record: dict) -> None:
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    train(cfg, run, progress=False, on_step=on_step)
+
+
+def test_resume_after_hard_kill_is_exact(tiny_data_dir: Path, tmp_path: Path) -> None:
+    cfg = small_cfg(tiny_data_dir, "train.max_steps=40", "train.ckpt_every=20")
+    straight = tmp_path / "straight"
+    train(cfg, straight, progress=False)
+
+    resumed = tmp_path / "resumed"
+    child = mp.get_context("spawn").Process(
+        target=_train_and_kill, args=(cfg.to_yaml(), str(resumed), 25)
+    )
+    child.start()
+    child.join(120)
+    assert child.exitcode == -signal.SIGKILL
+    assert [p.name for p in checkpoint_dirs(resumed)] == ["step_00000020"]
+    assert max(_losses(resumed)) == 25  # steps 21-25 were logged before the kill
+    summary = train(cfg, resumed, progress=False)
+    assert summary["status"] == "ok" and summary["steps"] == 40
+
+    a, b = _losses(straight), _losses(resumed)
+    assert sorted(a) == sorted(b) == list(range(1, 41))
+    for step in a:
+        assert a[step] == b[step], f"step {step}: {a[step]} != {b[step]}"
+    sa = json.loads((straight / "summary.json").read_text())
+    sb = json.loads((resumed / "summary.json").read_text())
+    assert sa["final_val_loss"] == sb["final_val_loss"]
+
+
+def _ddp_worker(rank: int, world: int, port: int, cfg_yaml: str, run: str) -> None:
+    import yaml
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    cfg = Config.from_dict(yaml.safe_load(cfg_yaml)).validate()
+    train(cfg, run, progress=False)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_two_ranks_match_one_rank(tiny_data_dir: Path, tmp_path: Path) -> None:
+    """2 gloo ranks x batch 2 == 1 rank x batch 4 (same global batch), loss within 1e-5."""
+    one = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=4")
+    train(one, tmp_path / "one", progress=False)
+    two = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=2")
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_ddp_worker, args=(r, 2, port, two.to_yaml(), str(tmp_path / "two")))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    assert all(p.exitcode == 0 for p in procs)
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
+    for step in a:
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+
+
+def test_corrupt_checkpoint_falls_back_to_previous(
+    tiny_data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = small_cfg(tiny_data_dir, "train.max_steps=6", "train.ckpt_every=3", "train.keep_last=3")
+    run = tmp_path / "run"
+    train(cfg, run, progress=False)
+    newest = checkpoint_dirs(run)[-1]
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncate
+    _, _, used = load_run(run)
+    assert used.name == "step_00000003"
+    cfg2 = small_cfg(tiny_data_dir, "train.max_steps=8", "train.ckpt_every=3", "train.keep_last=3")
+    summary = train(cfg2, run, progress=False)
+    err = capsys.readouterr().err
+    assert str(newest) in err and "unusable" in err
+    assert summary["steps"] == 8
+
+
+def test_checkpoint_of_other_config_is_a_clear_error(tiny_data_dir: Path, tmp_path: Path) -> None:
+    cfg = small_cfg(tiny_data_dir, "train.max_steps=2")
+    run = tmp_path / "run"
+    train(cfg, run, progress=False)
+    other = small_cfg(tiny_data_dir, "train.max_steps=2", "model.d_model=64")
+    with pytest.raises(UserError, match="different model"):
+        train(other, run, progress=False)
+    (run / "config.yaml").write_text(other.to_yaml())
+    with pytest.raises(UserError, match="does not match"):
+        load_run(run)
+
+
+def test_bad_inputs_are_clear_errors(tiny_data_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="not found"):
+        train(small_cfg(tmp_path / "nowhere", "train.max_steps=1"), tmp_path / "r1")
+    with pytest.raises(UserError, match="fewer than context"):
+        train(small_cfg(tiny_data_dir, "train.max_steps=1", "model.context=1000000"),
+              tmp_path / "r2")
+    with pytest.raises(UserError, match="less than one batch"):
+        train(small_cfg(tiny_data_dir, "train.tokens=10"), tmp_path / "r3")
+    with pytest.raises(UserError, match="no training budget"):
+        train(small_cfg(tiny_data_dir), tmp_path / "r4")
+
+
+def test_cli_train_bad_input_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["train", "dense-tiny", "--out", str(tmp_path / "r"),
+                 "--set", f"data.dir={tmp_path / 'missing'}", "--set", "train.max_steps=1"])
+    assert code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_divergence_stops_the_run(tiny_data_dir: Path, tmp_path: Path) -> None:
+    cfg = small_cfg(tiny_data_dir, "train.max_steps=50", "train.max_bad_steps=2",
+                    "train.lr=1e30", "train.warmup_steps=0", "train.grad_clip=1e30")
+    summary = train(cfg, tmp_path / "run", progress=False)
+    assert summary["status"] == "diverged"
+    assert summary["skipped_steps"] >= 2 and summary["steps"] < 50
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "diverged"
+
+
+def test_compute_budget_gives_tokens(tiny_data_dir: Path, tmp_path: Path) -> None:
+    from xmodlm import flops
+    from xmodlm.train.trainer import resolve_budget
+
+    cfg = small_cfg(tiny_data_dir)
+    per_step = 4 * 32
+    cfg.train.compute = flops.count(cfg.model).flops_train * per_step * 7.5
+    budget = resolve_budget(cfg, 1)
+    assert budget.total_steps == 7 and budget.source == "compute"
+
+
+def test_schedules() -> None:
+    t = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, schedule="cosine")
+    lrs = [lr_at(s, 100, t) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    w = TrainConfig(lr=1.0, min_lr_ratio=0.0, warmup_steps=10, schedule="wsd", cooldown_frac=0.2)
+    lrs = [lr_at(s, 100, w) for s in range(100)]
+    assert lrs[50] == 1.0 and lrs[79] == 1.0 and lrs[-1] == pytest.approx(0.0)
+
+
+def test_run_dir_contents(tiny_data_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    summary = train(small_cfg(tiny_data_dir, "train.max_steps=3"), run, progress=False)
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "env.json", "tokenizer.json"):
+        assert (run / name).is_file(), name
+    for key in ("final_val_loss", "val_bpb", "tokens", "flops", "params_total",
+                "params_active", "wall_s", "status"):
+        assert summary[key] is not None, key
+    env = json.loads((run / "env.json").read_text())
+    assert env["torch"] and env["cpu_count"]
+    evals = [r for r in read_metrics(run) if r.get("kind") == "eval"]
+    assert evals and "routing_agreement" in evals[-1] and "coverage" in evals[-1]
+    shutil.rmtree(run)
