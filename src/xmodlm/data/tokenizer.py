@@ -58,7 +58,9 @@ class Tokenizer:
         try:
             return cls(HFTokenizer.from_file(str(path)))
         except Exception as exc:  # the Rust side raises a bare Exception on a bad file
-            raise UserError(f"tokenizer {path} is unreadable ({exc}): run `xmod data prepare` again") from exc
+            raise UserError(
+                f"tokenizer {path} is unreadable ({exc}): run `xmod data prepare` again"
+            ) from exc
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:

@@ -1,0 +1,157 @@
+"""Training and validation batches from memory-mapped token files.
+
+Batches are a pure function of ``(seed, step)``: a resumed run sees exactly the
+batches it would have seen, with no sampler state to checkpoint. Under DDP the
+global batch for a step is drawn once and rank ``r`` takes rows
+``[r*B, (r+1)*B)``, so the union over ranks equals the one-process batch of
+``world_size * B`` rows and a run's data does not depend on how many processes
+share it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from xmodlm.data.prepare import FORMAT_VERSION, MANIFEST_FILE, SPLITS, TOKEN_DTYPE
+from xmodlm.errors import UserError
+
+
+class TokenData:
+    """One split's token ids, memory-mapped read-only (the OS pages them in as needed)."""
+
+    def __init__(self, path: str | Path, split: str | None = None) -> None:
+        self.path = Path(path)
+        self.split = split or self.path.stem
+        try:
+            self.tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        except (OSError, ValueError) as exc:
+            raise UserError(
+                f"token file {self.path} is unreadable or empty ({exc}): run `xmod data prepare` again"
+            ) from exc
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def check_context(self, context: int) -> None:
+        """A window needs ``context + 1`` tokens (inputs plus the shifted targets)."""
+        if len(self) < context + 1:
+            raise UserError(
+                f"split {self.split!r} has {len(self)} tokens, fewer than context + 1 = {context + 1}: "
+                "use a shorter context or prepare more data"
+            )
+
+
+def get_batch(
+    data: TokenData,
+    batch_size: int,
+    context: int,
+    seed: int,
+    step: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``batch_size`` random windows for optimiser step ``step``.
+
+    Returns ``(x_BT, y_BT)``, int64 CPU tensors with ``y`` shifted one token ahead.
+    Window starts are uniform over the split, drawn from a generator seeded with
+    ``(seed, step)`` only, so they do not depend on the rank or on earlier steps.
+    """
+    assert batch_size > 0 and context > 0 and 0 <= rank < world_size, (
+        batch_size,
+        context,
+        rank,
+        world_size,
+    )
+    data.check_context(context)
+    rng = np.random.default_rng((seed, step))
+    starts = rng.integers(0, len(data) - context, size=batch_size * world_size)
+    return _windows(data, starts[rank * batch_size : (rank + 1) * batch_size], context)
+
+
+def val_batches(
+    data: TokenData, n_batches: int, batch_size: int, context: int, seed: int = 1234
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed list of ``n_batches`` validation batches, the same on every call.
+
+    Stratified: the range of window starts is cut into ``n_batches * batch_size``
+    equal strata and one start is drawn in each, so the windows cover the whole
+    split evenly (lower variance than independent draws) yet are not aligned to
+    any period of the text.
+    """
+    assert n_batches > 0 and batch_size > 0 and context > 0, (n_batches, batch_size, context)
+    data.check_context(context)
+    count = n_batches * batch_size
+    span = len(data) - context
+    offsets = np.random.default_rng(seed).random(count)
+    starts = np.minimum(((np.arange(count) + offsets) * span / count).astype(np.int64), span - 1)
+    return [
+        _windows(data, starts[i * batch_size : (i + 1) * batch_size], context)
+        for i in range(n_batches)
+    ]
+
+
+def _windows(
+    data: TokenData, starts: np.ndarray, context: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    block = data.tokens[starts[:, None] + np.arange(context + 1)].astype(np.int64)
+    return torch.from_numpy(block[:, :-1].copy()), torch.from_numpy(block[:, 1:].copy())
+
+
+def load_manifest(data_dir: str | Path) -> dict[str, Any]:
+    """The manifest of a prepared data directory; a clear error if there is none."""
+    data_dir = Path(data_dir)
+    hint = f"run `xmod data prepare --out {data_dir}`"
+    if not data_dir.is_dir():
+        raise UserError(f"data directory {data_dir} not found: {hint}")
+    path = data_dir / MANIFEST_FILE
+    if not path.is_file():
+        raise UserError(
+            f"data directory {data_dir} has no {MANIFEST_FILE} (not prepared, or interrupted): {hint}"
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
+        raise UserError(f"{path} is unreadable ({exc}): {hint}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"{path} is not a format-{FORMAT_VERSION} manifest: {hint}")
+    return manifest
+
+
+def load_split(data_dir: str | Path, split: str) -> TokenData:
+    """Memory-map one split after checking its length against the manifest.
+
+    The length check is cheap and catches truncated files; the full checksum is
+    ``prepare``'s job, so that starting a run does not re-read every token.
+    """
+    manifest = load_manifest(data_dir)
+    entry = _split_entry(manifest, split)
+    data = TokenData(Path(data_dir) / entry["file"], split)
+    if len(data) != entry["tokens"]:
+        raise UserError(
+            f"{data.path} holds {len(data)} tokens but {MANIFEST_FILE} says {entry['tokens']}: "
+            f"run `xmod data prepare --out {data_dir}` to rebuild it"
+        )
+    return data
+
+
+def bytes_per_token(manifest: dict[str, Any], split: str) -> float:
+    """UTF-8 bytes of document text per token (separators included) in ``split``."""
+    entry = _split_entry(manifest, split)
+    return entry["bytes"] / entry["tokens"]
+
+
+def bits_per_byte(loss_nats: float, manifest: dict[str, Any], split: str) -> float:
+    """Mean per-token cross-entropy (nats) as bits per UTF-8 byte: comparable across vocabularies."""
+    return loss_nats / math.log(2) / bytes_per_token(manifest, split)
+
+
+def _split_entry(manifest: dict[str, Any], split: str) -> dict[str, Any]:
+    if split not in SPLITS:
+        raise UserError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
+    return manifest["splits"][split]
