@@ -113,6 +113,54 @@ def cmd_train(args: argparse.Namespace) -> int:
     return {"ok": 0, "interrupted": 130}.get(summary["status"], 1)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from xmodlm.demo import format_rows, run_demo
+
+    rows = run_demo(args.data, args.out, args.compute)
+    print()
+    print(f"Compute-matched at C = {args.compute:.3g} training FLOPs per model:")
+    print(format_rows(rows))
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from xmodlm.sweep import expand, load_spec, run_sweep, write_results
+    from xmodlm.sweep.spec import estimate_seconds
+
+    runs = expand(load_spec(args.spec), data_dir=args.data)
+    if args.dry_run:
+        import pandas as pd
+
+        table = pd.DataFrame([r.row() for r in runs])
+        table["est_s"] = estimate_seconds(runs, workers=args.workers)
+        fmt = {"capacity": "{:.4g}".format, "params_active": "{:.4g}".format,
+               "flops_per_token": "{:.4g}".format, "tokens": "{:.4g}".format,
+               "compute": "{:.3g}".format, "est_s": "{:.0f}".format}
+        print(table.to_string(index=False, formatters=fmt))
+        print(f"{len(table)} runs, estimated {table['est_s'].sum() / 60 / args.workers:.0f} min"
+              f" with {args.workers} worker(s) (from the measured matmul peak; rough)")
+        return 0
+    result = run_sweep(
+        runs, args.out, executor=args.executor, workers=args.workers,
+        max_retries=args.max_retries, progress=not args.quiet, ray_address=args.ray_address,
+        slurm_local=args.slurm_local,
+    )
+    path, n_rows, left_out = write_results(args.out)
+    print(f"{result['ran']} ran, {result['skipped']} already done, {result['failed']} failed;"
+          f" {n_rows} rows in {path}" + (f" ({len(left_out)} left out)" if left_out else ""))
+    return 1 if result["failed"] else 0
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    from xmodlm.sweep import write_results
+
+    path, n_rows, left_out = write_results(args.sweep_dir, args.out)
+    for run_id, why in sorted(left_out.items()):
+        print(f"left out {run_id}: {why}", file=sys.stderr)
+    print(f"{n_rows} rows written to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="xmod",
@@ -149,6 +197,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sweep", help="run a sweep spec (resumable) and write results.csv")
+    p.add_argument("spec", help="sweep spec YAML")
+    p.add_argument("--out", default="runs/sweep", help="sweep directory")
+    p.add_argument("--executor", default="local", choices=["local", "ray", "slurm"])
+    p.add_argument("--workers", type=int, default=1, help="concurrent runs (local executor)")
+    p.add_argument("--max-retries", type=int, default=2, help="retries of a failed run")
+    p.add_argument("--data", default=None, help="data directory (overrides the spec)")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (default: local)")
+    p.add_argument("--slurm-local", action="store_true",
+                   help="run slurm jobs with submitit's local executor (testing)")
+    p.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
+    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("results", help="rebuild a sweep's results table from its run dirs")
+    p.add_argument("sweep_dir")
+    p.add_argument("--out", default=None, help="output CSV (default SWEEP_DIR/results.csv)")
+    p.set_defaults(func=cmd_results)
+
+    p = sub.add_parser(
+        "demo", help="prepare the corpus, train compute-matched dense-tiny and xmod-tiny"
+    )
+    p.add_argument("--data", default="data/corpus", help="data directory")
+    p.add_argument("--out", default="runs/demo", help="where the two runs go")
+    p.add_argument("--compute", type=float, default=1.6e13, help="training FLOPs per model")
+    p.set_defaults(func=cmd_demo)
 
     return parser
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from xmodlm.config import ModelConfig
 from xmodlm.model import routing
-from xmodlm.model.layers import Attention, RMSNorm, Rotary, SwiGLU
+from xmodlm.model.layers import Attention, RMSNorm, Rotary, SwiGLU, matmul_dtype
 from xmodlm.model.moe import MoEMLP
 
 PREDICTOR_HIDDEN_DIV = 4  # causal predictor hidden width = d_model / 4
@@ -44,17 +44,17 @@ class Block(nn.Module):
         mask_BTT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Branch output f = block(x) - x, and the MLP's auxiliary losses (MoE only)."""
-        h = self.attn(self.norm1(x_BTD), cos, sin, mask_BTT)
+        h = self.attn(self.norm1(x_BTD, matmul_dtype(x_BTD)), cos, sin, mask_BTT)
         return self.mlp_branch(x_BTD + h, h)
 
     def mlp_branch(
         self, x_BTD: torch.Tensor, h: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Second half of the branch, given the post-attention stream x + h."""
-        if isinstance(self.mlp, MoEMLP):
+        if isinstance(self.mlp, MoEMLP):  # its router reads the norm's output in fp32
             m, aux = self.mlp(self.norm2(x_BTD))
             return h + m, aux
-        return h + self.mlp(self.norm2(x_BTD)), {}
+        return h + self.mlp(self.norm2(x_BTD, matmul_dtype(x_BTD))), {}
 
 
 @dataclass
@@ -76,9 +76,15 @@ class DenseBlock(nn.Module):
         self.block = Block(cfg, moe=moe)
 
     def forward(
-        self, x_BTD: torch.Tensor, rope: Rotary, pos_T: torch.Tensor, mode: str
+        self,
+        x_BTD: torch.Tensor,
+        rope: Rotary,
+        pos_T: torch.Tensor,
+        mode: str,
+        rot: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, BlockOutput]:
-        cos, sin = rope(pos_T)
+        """``rot``: the (cos, sin) tables at ``pos_T``, when the caller computed them once."""
+        cos, sin = rope(pos_T) if rot is None else rot
         f, aux = self.block.branch(x_BTD, cos, sin)
         return x_BTD + f, BlockOutput(aux=aux)
 
@@ -132,21 +138,31 @@ class RoutedBlock(nn.Module):
         return routing.gate(r, self.gating, self.gamma)
 
     def forward(
-        self, x_BTD: torch.Tensor, rope: Rotary, pos_T: torch.Tensor, mode: str
+        self,
+        x_BTD: torch.Tensor,
+        rope: Rotary,
+        pos_T: torch.Tensor,
+        mode: str,
+        rot: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, BlockOutput]:
+        """``rot``: the (cos, sin) tables at ``pos_T``, when the caller computed them once."""
         B, T, _ = x_BTD.shape
-        r_BT = self.router_logits(x_BTD)
-        d_BT = self.decision_logits(x_BTD, r_BT)
-        causal_BT = d_BT > 0
         if mode == "topk":
-            idx_BK = routing.topk_indices(r_BT, routing.capacity_tokens(self.capacity, T))
+            # router, top-k and gather in one autograd node (router_logits' numbers)
+            k = routing.capacity_tokens(self.capacity, T)
+            r_BT, idx_BK, x_BKD = routing.route(x_BTD, self.router.weight, k)
+            d_BT = self.decision_logits(x_BTD, r_BT)
+            causal_BT = d_BT > 0
             topk_BT = routing.selection_mask(idx_BK, T)
-            cos, sin = rope(pos_T[idx_BK])
-            f_BKD, _ = self.block.branch(routing.gather_tokens(x_BTD, idx_BK), cos, sin)
+            cos_T, sin_T = rope(pos_T) if rot is None else rot
+            f_BKD, _ = self.block.branch(x_BKD, cos_T[idx_BK], sin_T[idx_BK])
             g_BK = self.gate(torch.gather(r_BT, 1, idx_BK))
             x_BTD = routing.scatter_add_tokens(x_BTD, idx_BK, g_BK.unsqueeze(-1) * f_BKD)
             processed = topk_BT
         elif mode == "causal":
+            r_BT = self.router_logits(x_BTD)
+            d_BT = self.decision_logits(x_BTD, r_BT)
+            causal_BT = d_BT > 0
             topk_BT = None
             x_BTD = self.masked_forward(x_BTD, r_BT, causal_BT, rope, pos_T)
             processed = causal_BT

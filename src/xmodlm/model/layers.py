@@ -3,6 +3,13 @@
 These layers know nothing about routing. A routed block calls them on gathered
 tokens and passes the tokens' *original* positions to the rotary embedding, so
 the same code serves dense and sparse blocks.
+
+Speed notes (measured in ``docs/benchmarks.md``). On a CPU, eager PyTorch pays
+for every elementwise pass over a tensor, and on a shared machine every
+parallelised op also pays an OpenMP barrier. The norm and the rotary embedding
+are therefore written as custom autograd functions whose forward and backward
+make as few passes as the arithmetic needs; they compute exactly what the plain
+formulas compute (the rotary one bit for bit, the norm to fp32 round-off).
 """
 
 from __future__ import annotations
@@ -10,46 +17,148 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """y = x / rms(x) * w in fp32, with a hand-written backward (fewer passes).
+
+    ``out_dtype`` lets the norm write its output straight in the dtype of the
+    matmul that consumes it (what autocast would cast it to anyway).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, out_dtype):  # noqa: ANN001, ANN205
+        x32 = x.float()
+        inv = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        w32 = weight.float()
+        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        torch.mul(x32 * inv, w32, out=y)
+        ctx.save_for_backward(x, weight, inv)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        x, weight, inv = ctx.saved_tensors
+        D = x.shape[-1]
+        g32 = g.float()
+        xhat = x.float() * inv
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (g32 * xhat).reshape(-1, D).sum(0).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            gw = g32 * weight.float()
+            dot = (gw * xhat).sum(-1, keepdim=True) / D
+            grad_x = torch.addcmul(gw, xhat, dot, value=-1.0).mul_(inv).to(x.dtype)
+        return grad_x, grad_w, None, None
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned gain, computed in fp32 for stability."""
+    """Root-mean-square norm with a learned gain, computed in fp32 for stability.
+
+    The output has the input's dtype, or ``out_dtype`` when given (callers pass
+    the autocast dtype when the output only feeds a matmul).
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight).type_as(x)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return _RMSNormFn.apply(x, self.weight, self.eps, out_dtype or x.dtype)
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on ``x`` runs in: the autocast dtype if autocast is on."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 class Rotary(nn.Module):
-    """Rotary position tables, indexed by arbitrary (original) positions."""
+    """Rotary position tables, indexed by arbitrary (original) positions.
+
+    The tables are full head width, in the layout :func:`apply_rotary` uses:
+    ``cos`` is (cos, cos) and ``sin`` is (-sin, sin) over the two halves of the
+    head dim, so a rotation is ``x * cos + roll(x, K/2) * sin``.
+    """
 
     def __init__(self, head_dim: int, max_len: int, theta: float = 10000.0) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         angles_TH = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos_TH", angles_TH.cos(), persistent=False)
-        self.register_buffer("sin_TH", angles_TH.sin(), persistent=False)
+        cos_TH, sin_TH = angles_TH.cos(), angles_TH.sin()
+        self.register_buffer("cos_TK", torch.cat((cos_TH, cos_TH), -1), persistent=False)
+        self.register_buffer("sin_TK", torch.cat((-sin_TH, sin_TH), -1), persistent=False)
 
-    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (cos, sin) for positions ``pos`` (shape T or B x T), last dim head_dim/2."""
-        return self.cos_TH[pos], self.sin_TH[pos]
+    def forward(
+        self, pos: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) tables for positions ``pos`` (shape T or B x T), last dim head_dim.
+
+        ``dtype``: cast once here rather than in every block.
+        """
+        cos, sin = self.cos_TK[pos], self.sin_TK[pos]
+        if dtype is not None:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
 
 
 def apply_rotary(x_BTHK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (first half, second half) of the head dim by the position angles.
 
-    ``cos``/``sin`` have shape (T, K/2) or (B, T, K/2); a head axis is inserted.
+    ``cos``/``sin`` come from :class:`Rotary`, shape (T, K) or (B, T, K); a head
+    axis is inserted. Bit for bit ``cat(x1 cos - x2 sin, x2 cos + x1 sin)``.
     """
     cos = cos.unsqueeze(-2).to(x_BTHK.dtype)
     sin = sin.unsqueeze(-2).to(x_BTHK.dtype)
-    x1, x2 = x_BTHK.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x_BTHK * cos + x_BTHK.roll(x_BTHK.shape[-1] // 2, -1) * sin
+
+
+class _RotaryQKVFn(torch.autograd.Function):
+    """Split a fused (B, T, 3, H, K) projection into rotated q, k and plain v.
+
+    One node instead of unbind + two rotations: q and k rotate together and are
+    written straight into contiguous (B, H, T, K) tensors, the layout the CPU
+    flash-attention kernel runs fastest on (about 3% of a dense block here);
+    the backward assembles the three gradients with one ``stack`` (no
+    zero-filled slices added together). Bit for bit :func:`apply_rotary`.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin):  # noqa: ANN001, ANN205
+        B, T, _, H, K = qkv.shape
+        # (T, K) -> (1, 1, T, K); (B, T, K) -> (1, B, 1, T, K): broadcast over (2, B, H, T, K)
+        cos = cos.unsqueeze(-3).unsqueeze(0).to(qkv.dtype)
+        sin = sin.unsqueeze(-3).unsqueeze(0).to(qkv.dtype)
+        qk = qkv[:, :, :2].permute(2, 0, 3, 1, 4)
+        rot = torch.empty((2, B, H, T, K), dtype=qkv.dtype, device=qkv.device)
+        torch.add(qk * cos, qk.roll(K // 2, -1) * sin, out=rot)
+        ctx.save_for_backward(cos, sin)
+        return rot[0], rot[1], qkv[:, :, 2].transpose(1, 2).contiguous()
+
+    @staticmethod
+    def backward(ctx, g_q, g_k, g_v):  # noqa: ANN001, ANN205
+        cos, sin = ctx.saved_tensors
+        ref = next(g for g in (g_q, g_k, g_v) if g is not None)
+        g_q = torch.zeros_like(ref) if g_q is None else g_q
+        g_k = torch.zeros_like(ref) if g_k is None else g_k
+        g_v = torch.zeros_like(ref) if g_v is None else g_v
+        g_qk = torch.stack((g_q, g_k))
+        # inverse rotation: x = y cos - roll(y, K/2) sin (sin holds the signs)
+        g_qk = g_qk * cos - g_qk.roll(ref.shape[-1] // 2, -1) * sin
+        grads = (g_qk[0].transpose(1, 2), g_qk[1].transpose(1, 2), g_v.transpose(1, 2))
+        return torch.stack(grads, 2), None, None
+
+
+# The CPU flash-attention kernel's backward has a fixed cost of several ms (about
+# 9 ms for 4 x 8 heads x 128 tokens on this project's 2-core CPUs, 6x its
+# forward) that SDPA's math backend does not pay; up to about 200 tokens the math
+# backend is faster forward + backward, beyond it flash is (docs/benchmarks.md).
+# Sparse blocks run attention on k = c T tokens, so this is their common case.
+CPU_MATH_SDPA_MAX_LEN = 192
 
 
 class Attention(nn.Module):
@@ -72,10 +181,8 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys, values as (B, H, T, K), rotary already applied."""
         B, T, _ = x_BTD.shape
-        q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        qkv = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim)
+        return _RotaryQKVFn.apply(qkv, cos, sin)
 
     def output(self, y_BHTK: torch.Tensor) -> torch.Tensor:
         B, H, T, K = y_BHTK.shape
@@ -90,11 +197,42 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Causal attention; ``mask_BTT`` (True = may attend) replaces plain causality."""
         q, k, v = self.project_qkv(x_BTD, cos, sin)
-        if mask_BTT is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask = None if mask_BTT is None else mask_BTT.unsqueeze(1)
+        if q.device.type == "cpu" and q.shape[-2] <= CPU_MATH_SDPA_MAX_LEN:
+            with sdpa_kernel(SDPBackend.MATH):
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BTT.unsqueeze(1))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.output(y)
+
+
+class _SiluMulFn(torch.autograd.Function):
+    """silu(gate) * up, for ``gate, up = gate_up.chunk(2, -1)``.
+
+    The backward writes both halves of the gradient straight into one
+    (..., 2F) buffer, where autograd would compute them separately and
+    ``cat`` them (the chunk's backward): two fewer passes over the MLP's
+    widest activation. Bit for bit the autograd result.
+    """
+
+    @staticmethod
+    def forward(ctx, gate_up):  # noqa: ANN001, ANN205
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(gate_up, act)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        gate_up, act = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        if torch.compiler.is_compiling():  # traced: the compiler fuses this anyway
+            return torch.cat((torch.ops.aten.silu_backward(g * up, gate), g * act), dim=-1)
+        d_ff = gate.shape[-1]
+        grad = torch.empty(gate_up.shape, dtype=g.dtype, device=g.device)
+        torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=grad[..., :d_ff])
+        torch.mul(g, act, out=grad[..., d_ff:])
+        return grad
 
 
 class SwiGLU(nn.Module):
@@ -107,5 +245,38 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(_SiluMulFn.apply(self.gate_up(x)))
+
+
+class _CrossEntropyFn(torch.autograd.Function):
+    """Mean cross-entropy of (N, V) logits computed in fp32, gradient in the logits' dtype.
+
+    Forward as ``F.cross_entropy(logits.float(), targets)``; the backward forms
+    ``(softmax - onehot) / N`` from the saved log-probabilities in two passes and
+    writes it straight in the logits' dtype, where autograd would go through a
+    zero-filled one-hot, the log-softmax backward and a cast (the (N, V) tensors
+    are the largest of a step). Targets must be valid class ids (no ignore index).
+    """
+
+    @staticmethod
+    def forward(ctx, logits_NV, targets_N):  # noqa: ANN001, ANN205
+        lsm_NV = torch.log_softmax(logits_NV.float(), dim=-1)
+        ctx.save_for_backward(lsm_NV, targets_N)
+        ctx.logits_dtype = logits_NV.dtype
+        return F.nll_loss(lsm_NV, targets_N)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        lsm_NV, targets_N = ctx.saved_tensors
+        N = lsm_NV.shape[0]
+        p_NV = lsm_NV.exp()
+        minus_one = torch.full((N, 1), -1.0, dtype=p_NV.dtype, device=p_NV.device)
+        p_NV.scatter_add_(1, targets_N.unsqueeze(1), minus_one)
+        grad = torch.empty(p_NV.shape, dtype=ctx.logits_dtype, device=p_NV.device)
+        torch.mul(p_NV, g / N, out=grad)
+        return grad, None
+
+
+def cross_entropy_fp32(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy(logits.float(), targets)`` (mean), with a leaner backward."""
+    return _CrossEntropyFn.apply(logits_NV, targets_N)

@@ -3,7 +3,8 @@
 Everything that decides *which* tokens a sparse block processes and *how much*
 its output counts lives here, separately testable and free of module state:
 
-* expert-choice top-k per sequence (:func:`topk_indices`), gather and scatter;
+* expert-choice top-k per sequence (:func:`topk_indices`), gather and scatter,
+  and :func:`route` (router logits, top-k and gather as one autograd node);
 * the gates ``logit | sigmoid | variance_scaled`` (:func:`gate`) and the initial
   scale of the variance-scaled gate (:func:`variance_scaled_gamma_init`);
 * the auxiliary losses: depth-wise token balancing (:func:`balance_loss`) and the
@@ -51,6 +52,58 @@ def scatter_add_tokens(
     """Out of place: x + update at the selected positions, x unchanged elsewhere."""
     index = idx_BK.unsqueeze(-1).expand(-1, -1, x_BTD.shape[-1])
     return x_BTD.scatter_add(1, index, update_BKD.to(x_BTD.dtype))
+
+
+class _RouteFn(torch.autograd.Function):
+    """Router logits, top-k and gather in one autograd node.
+
+    The input gets gradient from two places, the router (an outer product with
+    the router weight) and the gather (a scatter of the gathered tokens'
+    gradient). Separately, autograd would materialise a zero-filled (B, T, D)
+    tensor for the scatter and add the two full-size gradients; here the
+    scatter goes straight into the router's gradient, one full-size write.
+    """
+
+    @staticmethod
+    def forward(ctx, x_BTD, w_1D, k, valid_BT):  # noqa: ANN001, ANN205
+        with torch.autocast(device_type=x_BTD.device.type, enabled=False):
+            r_BT = F.linear(x_BTD.float(), w_1D.float()).squeeze(-1)
+        idx_BK = topk_indices(r_BT, k, valid_BT)
+        ctx.save_for_backward(x_BTD, w_1D, idx_BK)
+        ctx.mark_non_differentiable(idx_BK)
+        return r_BT, idx_BK, gather_tokens(x_BTD, idx_BK)
+
+    @staticmethod
+    def backward(ctx, g_r, g_idx, g_x):  # noqa: ANN001, ANN205
+        x_BTD, w_1D, idx_BK = ctx.saved_tensors
+        B, T, D = x_BTD.shape
+        w32 = w_1D.float()
+        if g_r is None:
+            g_r = torch.zeros(B, T, dtype=torch.float32, device=x_BTD.device)
+        grad_x = grad_w = None
+        with torch.autocast(device_type=x_BTD.device.type, enabled=False):  # router in fp32
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.mm(g_r.reshape(B * T, 1).float(), w32).view(B, T, D)
+                if g_x is not None:
+                    index = idx_BK.unsqueeze(-1).expand(-1, -1, D)
+                    grad_x.scatter_add_(1, index, g_x.to(grad_x.dtype))
+                grad_x = grad_x.to(x_BTD.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = torch.mm(g_r.reshape(1, B * T).float(), x_BTD.reshape(B * T, D).float())
+                grad_w = grad_w.to(w_1D.dtype)
+        return grad_x, grad_w, None, None
+
+
+def route(
+    x_BTD: torch.Tensor, w_1D: torch.Tensor, k: int, valid_BT: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sparse block's routing step: (r_BT, idx_BK, x_BKD).
+
+    r = x . w in fp32 (the router logits), idx the sorted top-k positions of each
+    row (:func:`topk_indices`), x_BKD the gathered tokens
+    (:func:`gather_tokens`); differentiable in x and w through r and x_BKD.
+    """
+    return _RouteFn.apply(x_BTD, w_1D, k, valid_BT)
 
 
 def selection_mask(idx_BK: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -11,13 +11,12 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xmodlm.config import ModelConfig
 from xmodlm.model import routing
 from xmodlm.model.blocks import BlockOutput, DenseBlock, RoutedBlock
-from xmodlm.model.layers import RMSNorm, Rotary
+from xmodlm.model.layers import RMSNorm, Rotary, cross_entropy_fp32, matmul_dtype
 
 ROUTING_MODES = ("topk", "causal")
 
@@ -117,18 +116,20 @@ class Transformer(nn.Module):
         assert T <= self.cfg.context, f"sequence length {T} exceeds context {self.cfg.context}"
         pos_T = torch.arange(T, device=idx_BT.device)
         x_BTD = self.embed(idx_BT)
+        # rotary tables once per forward, already in the dtype attention runs in
+        rot = self.rope(pos_T, matmul_dtype(x_BTD))
         outs: list[BlockOutput] = []
         rms: list[float] = []
         for block in self.blocks:
-            x_BTD, out = block(x_BTD, self.rope, pos_T, routing_mode)
+            x_BTD, out = block(x_BTD, self.rope, pos_T, routing_mode, rot)
             outs.append(out)
             if return_stats:
                 rms.append(float(x_BTD.detach().float().pow(2).mean(-1).sqrt().mean()))
-        logits = self.head(self.norm(x_BTD))
+        logits = self.head(self.norm(x_BTD, matmul_dtype(x_BTD)))
         result = ModelOutput(logits=logits)
         if targets_BT is not None:
-            result.loss = F.cross_entropy(
-                logits.float().view(-1, logits.shape[-1]), targets_BT.reshape(-1)
+            result.loss = cross_entropy_fp32(
+                logits.view(-1, logits.shape[-1]), targets_BT.reshape(-1)
             )
             result.aux, result.aux_loss = self._aux_losses(outs)
         if return_stats:

@@ -1,0 +1,270 @@
+"""The recommender (DESIGN 5.4): given compute C, context T and N_ae, what to train.
+
+1. A dense reference with N_ae close to the request. Shape rule: width d a
+   multiple of 64 with 64-wide heads and about one layer per 64 units of width
+   (d = 256 -> 4 layers, d = 1024 -> 16), the aspect ratio of GPT-2-small-like
+   models; the width whose ladder model is closest to N_ae in ln N is taken,
+   then the depth at that width is adjusted to land as close as one layer allows.
+2. For every (S, c): :func:`xmodlm.flops.flop_match` gives the depth L (a
+   multiple of S) whose training FLOPs per token are closest to the reference's;
+   each model trains on D = C / F_token tokens, so all spend exactly C.
+3. Each candidate's loss is predicted with the law's bootstrap draws. P(beats
+   dense) is the share of draws in which the candidate's ln L is below the dense
+   reference's (the draws are paired: one draw is one whole law).
+4. The answer is "train dense" unless some configuration beats dense with
+   P >= ``THRESHOLD`` (0.9); then it is the one with the lowest predicted loss
+   among those.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from xmodlm import flops
+from xmodlm.config import ModelConfig
+from xmodlm.errors import UserError
+from xmodlm.law.fit import LawFit, load_fit, predict_samples
+from xmodlm.law.robust import interval
+from xmodlm.law.table import validate
+
+ASPECT = 64  # units of width per layer in the dense reference
+HEAD_DIM = 64
+MAX_WIDTH = 16384
+THRESHOLD = 0.9
+EXTRAPOLATION = 10.0  # warn when compute is more than this factor outside the fitted range
+DEFAULT_FIT = "default_fit.json"
+
+
+def dense_config(
+    width: int, context: int, vocab_size: int, n_layers: int | None = None
+) -> ModelConfig:
+    """The dense model of the shape rule at ``width`` (depth from the aspect rule unless given)."""
+    cfg = ModelConfig(
+        vocab_size=vocab_size,
+        d_model=width,
+        n_layers=n_layers or max(1, round(width / ASPECT)),
+        n_heads=max(1, width // HEAD_DIM),
+        context=context,
+    )
+    cfg.validate()
+    return cfg
+
+
+def dense_reference(active_params: float, context: int, vocab_size: int = 4096) -> ModelConfig:
+    """The dense model whose N_ae is closest to ``active_params`` under the shape rule."""
+    target = math.log(active_params)
+    width = min(
+        range(HEAD_DIM, MAX_WIDTH + 1, HEAD_DIM),
+        key=lambda d: abs(
+            math.log(flops.count(dense_config(d, context, vocab_size)).params_active) - target
+        ),
+    )
+    per_layer = flops.block_params(dense_config(width, context, vocab_size), "D")[1]
+    n_layers = max(1, round((active_params - width) / per_layer))  # N_ae = L x block + final norm
+    return dense_config(width, context, vocab_size, n_layers)
+
+
+def _default_fit() -> LawFit:
+    path = resources.files("xmodlm.law") / DEFAULT_FIT
+    if not path.is_file():
+        raise UserError(
+            "no law given and none ships with this package; pass --law FIT"
+            " (a JSON written by `xmod law fit RESULTS --json`)"
+        )
+    return load_fit(str(path))
+
+
+def _check(
+    compute: float,
+    context: int,
+    active_params: float,
+    max_total_params: float | None,
+    strides: Sequence[int],
+    capacities: Sequence[float],
+) -> None:
+    if not compute > 0 or not active_params > 0:
+        raise UserError(
+            f"compute={compute} and active_params={active_params} must both be positive"
+        )
+    if context < 1 or context != int(context):
+        raise UserError(f"context={context}: must be an integer >= 1")
+    if max_total_params is not None and not max_total_params > 0:
+        raise UserError(f"max_total_params={max_total_params}: must be positive")
+    if any(s < 1 or s != int(s) for s in strides):
+        raise UserError(f"strides {list(strides)}: each must be an integer >= 1")
+    if any(not 0 < c <= 1 for c in capacities):
+        raise UserError(f"capacities {list(capacities)}: each must be in (0, 1]")
+
+
+def recommend(
+    compute: float,
+    context: int,
+    active_params: float,
+    law: LawFit | None = None,
+    max_total_params: float | None = None,
+    strides: Sequence[int] = (1, 2, 4, 8, 16),
+    capacities: Sequence[float] = (0.0625, 0.125, 0.25, 0.5),
+    *,
+    vocab_size: int = 4096,
+    threshold: float = THRESHOLD,
+) -> dict[str, Any]:
+    """Rank the (S, c, L) configurations for budget ``compute`` at ``context`` (see module doc).
+
+    ``law`` defaults to the fit shipped as ``xmodlm/law/default_fit.json``, if any.
+    """
+    _check(compute, context, active_params, max_total_params, strides, capacities)
+    fit = law if law is not None else _default_fit()
+    reference = dense_reference(active_params, int(context), vocab_size)
+    ref_total = flops.count(reference).params_total
+    if max_total_params is not None and ref_total > max_total_params:
+        raise UserError(
+            f"the dense reference for active_params={active_params:.3g} already has {ref_total:.3g}"
+            f" parameters, above max_total_params={max_total_params:.3g}"
+        )
+    models: list[tuple[ModelConfig, float]] = [(reference, 0.0)]
+    excluded = 0
+    if fit.delta is not None:
+        for s in sorted({int(s) for s in strides if s > 1}):
+            for c in sorted({float(c) for c in capacities if c < 1}):
+                cfg, mismatch = flops.flop_match(reference, s, c)
+                if (
+                    max_total_params is not None
+                    and flops.count(cfg).params_total > max_total_params
+                ):
+                    excluded += 1
+                else:
+                    models.append((cfg, mismatch))
+    counts = [flops.count(cfg) for cfg, _ in models]
+    rows = pd.DataFrame(
+        {
+            "params_active": [k.params_active for k in counts],
+            "tokens": [compute / k.flops_train for k in counts],
+            "context": int(context),
+            "stride": [cfg.stride for cfg, _ in models],
+            "capacity": [cfg.capacity for cfg, _ in models],
+        }
+    )
+    frame = validate(rows, need_loss=False).frame
+    pred = predict_samples(fit, frame)
+    ci = interval(np.exp(pred.ln_samples), np.exp(pred.ln_point))
+    beats = (pred.ln_samples < pred.ln_samples[:, :1]).mean(axis=0)
+    entries = []
+    for i, ((cfg, mismatch), k) in enumerate(zip(models, counts, strict=True)):
+        entries.append(
+            {
+                "stride": cfg.stride,
+                "capacity": cfg.capacity,
+                "n_layers": cfg.n_layers,
+                "width": cfg.d_model,
+                "n_heads": cfg.n_heads,
+                "params_total": k.params_total,
+                "params_active": k.params_active,
+                "flops_per_token": k.flops_train,
+                "tokens": float(frame["tokens"].iloc[i]),
+                "flop_mismatch": mismatch,
+                "rho": float(frame["rho"].iloc[i]),
+                "loss": float(np.exp(pred.ln_point[i])),
+                "ci": [float(ci[i, 0]), float(ci[i, 1])],
+                "delta": float(pred.ln_point[i] - pred.ln_dense[i]),
+                "terms": {name: float(t[i]) for name, t in pred.terms.items()},
+                "vs_dense": float(pred.ln_point[i] - pred.ln_point[0]),
+                "p_beats_dense": float(beats[i]) if i else None,
+                "extrapolated": not bool(pred.in_range[i]),
+            }
+        )
+    dense_entry, candidates = entries[0], sorted(entries[1:], key=lambda e: e["loss"])
+    winners = [e for e in candidates if e["p_beats_dense"] >= threshold]
+    best = winners[0] if winners else None
+    return {
+        "answer": _answer(best),
+        "reason": _reason(fit, best, dense_entry, candidates, threshold),
+        "threshold": threshold,
+        "best": best,
+        "dense": dense_entry,
+        "candidates": candidates,
+        "excluded_by_max_total_params": excluded,
+        "law": {
+            "form": fit.selected,
+            "contexts": sorted(fit.dense),
+            "law_context": int(pred.law_context[0]),
+        },
+        "inputs": {
+            "compute": compute,
+            "context": int(context),
+            "active_params": active_params,
+            "max_total_params": max_total_params,
+        },
+        "warnings": _warnings(fit, compute, int(context), active_params, entries),
+    }
+
+
+def _answer(best: dict[str, Any] | None) -> str:
+    if best is None:
+        return "train dense"
+    return (
+        f"train X-MoD: stride {best['stride']}, capacity {best['capacity']:g},"
+        f" {best['n_layers']} layers of width {best['width']}"
+    )
+
+
+def _reason(
+    fit: LawFit,
+    best: dict[str, Any] | None,
+    dense: dict[str, Any],
+    candidates: list[dict[str, Any]],
+    threshold: float,
+) -> str:
+    if fit.delta is None:
+        return "the law was fitted on dense runs only, so it says nothing in favour of sparsity"
+    if not candidates:
+        return "no sparse configuration fits within max_total_params"
+    if best is None:
+        top = max(candidates, key=lambda e: e["p_beats_dense"])
+        return (
+            f"no configuration beats dense with P >= {threshold:g}; the most likely,"
+            f" stride {top['stride']} capacity {top['capacity']:g}, does with P = {top['p_beats_dense']:.2f}"
+        )
+    caveat = " (outside the fitted ranges: an extrapolation)" if best["extrapolated"] else ""
+    return (
+        f"beats dense with P = {best['p_beats_dense']:.2f} >= {threshold:g}: predicted loss"
+        f" {best['loss']:.4g} vs {dense['loss']:.4g} for dense{caveat}"
+    )
+
+
+def _warnings(
+    fit: LawFit, compute: float, context: int, active_params: float, entries: list[dict[str, Any]]
+) -> list[str]:
+    """Say when the question lies outside what the law was fitted on."""
+    out = []
+    ranges = fit.ranges
+    lo, hi = ranges["compute"]
+    if compute > EXTRAPOLATION * hi or compute < lo / EXTRAPOLATION:
+        factor = compute / hi if compute > hi else lo / compute
+        out.append(
+            f"compute {compute:.3g} is {factor:.3g}x outside the fitted range [{lo:.3g}, {hi:.3g}]:"
+            " the prediction extrapolates"
+        )
+    fitted = ranges["context"]
+    if context not in fitted:
+        where = "outside" if not fitted[0] <= context <= fitted[-1] else "between"
+        out.append(
+            f"context {context} is {where} the fitted contexts {fitted}: the nearest one's dense law is used"
+        )
+    lo, hi = ranges["params_active"]
+    if not lo <= active_params <= hi:
+        out.append(
+            f"active_params {active_params:.3g} is outside the fitted N_ae range [{lo:.3g}, {hi:.3g}]"
+        )
+    outside = sum(e["extrapolated"] for e in entries)
+    if outside:
+        out.append(
+            f"{outside} of {len(entries)} configurations lie outside the fitted N_ae, D, stride or"
+            " capacity ranges (marked extrapolated)"
+        )
+    return out

@@ -1,0 +1,622 @@
+"""Autoregressive generation with a sparse KV cache.
+
+Routing at inference is the *causal* decision, exactly as
+``RoutedBlock.forward(mode="causal")`` decides it: a sparse block processes a
+token iff its decision logit is positive (sigmoid(r) > 1/2 for the BCE-trained
+router, the predictor's logit > 0 for the predictor). Prefill and decode use the
+same rule, so generating with the cache computes what a full forward pass in
+``routing_mode="causal"`` computes over the same tokens (tested to fp32
+round-off).
+
+How a batch is decoded (:class:`Decoder`):
+
+* **prefill**: the prompts, right-padded to the longest, go through the stack in
+  one pass. Right padding keeps every token at its real position (0, 1, ...),
+  and causal attention never lets a real token see the padding after it. Padding
+  is never routed (the decision is and-ed with validity) and never cached (each
+  sequence's fill length is its own prompt length). A sparse block gathers its
+  routed tokens per sequence (in causal order, with their original rotary
+  positions), runs on those only, and appends them to its cache.
+* **decode**: one token per sequence per step, at that sequence's own position.
+  Dense blocks append every token. A sparse block first evaluates its router
+  (one host sync per sparse block and step); if no sequence routes its token the
+  block is skipped altogether, otherwise only the routed sequences' rows are
+  gathered, run through the block, cached and added back. At batch 1 this is
+  where decoding saves time; at larger batches the block's weights are read
+  whenever *any* sequence routes, so the saving in a memory-bound step shrinks
+  to the probability that none does, (1 - c)^B.
+* sequences that finish (end-of-text, their token budget, or the context) leave
+  the batch: their rows are dropped from the cache in place, without
+  reallocation.
+
+The cache (:mod:`xmodlm.model.kv_cache`) is preallocated; sparse buffers are
+sized for the expected routed fraction and grow geometrically if exceeded,
+never per token.
+
+Positions are bounded by the model's context (its rotary table), so a sequence
+stops when prompt plus generated tokens reach ``cfg.context``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from xmodlm.errors import UserError
+from xmodlm.model import routing
+from xmodlm.model.blocks import Block, RoutedBlock
+from xmodlm.model.kv_cache import DEFAULT_SLACK, BlockCache, KVCache
+from xmodlm.model.transformer import Transformer
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+class Decoder:
+    """Prefill and one-token steps over a batch, holding the model's KV cache.
+
+    ``max_len``: the most tokens any sequence will be fed (prompt plus generated
+    tokens that are fed back), at most the model's context. ``sparse_alloc``
+    and ``slack``: the cache's allocation policy for sparse blocks.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        batch: int,
+        max_len: int,
+        *,
+        sparse_alloc: str = "expected",
+        slack: float = DEFAULT_SLACK,
+    ) -> None:
+        assert max_len <= model.cfg.context, "max_len exceeds the model's context"
+        self.model = model
+        weight = model.embed.weight
+        self.device = weight.device
+        self.cache = KVCache(
+            model.cfg,
+            batch,
+            max_len,
+            dtype=weight.dtype,
+            device=weight.device,
+            sparse_alloc=sparse_alloc,
+            slack=slack,
+        )
+        self.seq_len = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.seq_lens = [0] * batch
+
+    @property
+    def batch(self) -> int:
+        return len(self.seq_lens)
+
+    # --- prefill ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]], all_logits: bool = False) -> torch.Tensor:
+        """Run the prompts in one pass and fill the cache.
+
+        Returns the logits of each prompt's last token, (B, V); with
+        ``all_logits`` the logits of every position, (B, T_max, V) (positions past
+        a prompt's end are padding and meaningless).
+        """
+        model = self.model
+        assert len(prompts) == self.batch and not any(self.seq_lens), "prefill an empty decoder"
+        lens = [len(p) for p in prompts]
+        T = max(lens)
+        assert min(lens) >= 1 and T <= self.cache.max_len
+        idx_BT = torch.zeros(self.batch, T, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            idx_BT[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        idx_BT = idx_BT.to(self.device)
+        lens_B = torch.tensor(lens, dtype=torch.long, device=self.device)
+        pos_T = torch.arange(T, device=self.device)
+        valid_BT = pos_T.unsqueeze(0) < lens_B.unsqueeze(1)
+        ragged = min(lens) != T
+        cos, sin = model.rope(pos_T)
+        x = model.embed(idx_BT)
+        for block, cache in zip(model.blocks, self.cache.blocks, strict=True):
+            if isinstance(block, RoutedBlock):
+                x = self._prefill_sparse(block, cache, x, valid_BT)
+            else:
+                blk: Block = block.block
+                q, k, v = blk.attn.project_qkv(blk.norm1(x), cos, sin)
+                h = blk.attn.output(_sdpa(q, k, v, None, causal=True))
+                f, _ = blk.mlp_branch(x + h, h)
+                x = x + f
+                cache.prefill(k, v, pos_T.expand(self.batch, T), lens, lens_B)
+        self.seq_len.copy_(lens_B)
+        self.seq_lens = lens
+        if all_logits:
+            return model.head(model.norm(x))
+        if ragged:
+            x_BD = x[torch.arange(self.batch, device=self.device), lens_B - 1]
+        else:
+            x_BD = x[:, -1]
+        return model.head(model.norm(x_BD))
+
+    def _prefill_sparse(
+        self, block: RoutedBlock, cache: BlockCache, x: torch.Tensor, valid_BT: torch.Tensor
+    ) -> torch.Tensor:
+        r_BT = block.router_logits(x)
+        sel_BT = (block.decision_logits(x, r_BT) > 0) & valid_BT
+        counts_B = sel_BT.sum(1)
+        counts = counts_B.tolist()
+        kmax = max(counts)
+        if kmax == 0:
+            return x
+        # routed tokens first, each sequence's in causal order; then (padding) the rest
+        idx_BK = torch.sort((~sel_BT).to(torch.int32), dim=1, stable=True).indices[:, :kmax]
+        valid_BK = torch.arange(kmax, device=x.device).unsqueeze(0) < counts_B.unsqueeze(1)
+        mask = None
+        if min(counts) != kmax:
+            causal_KK = torch.ones(kmax, kmax, dtype=torch.bool, device=x.device).tril()
+            eye_KK = torch.eye(kmax, dtype=torch.bool, device=x.device)
+            # padding queries attend to themselves only (their output is zeroed below)
+            mask = ((causal_KK & valid_BK.unsqueeze(1)) | eye_KK).unsqueeze(1)
+        blk = block.block
+        x_BKD = routing.gather_tokens(x, idx_BK)
+        cos, sin = self.model.rope(idx_BK)  # right padding: position = index
+        q, k, v = blk.attn.project_qkv(blk.norm1(x_BKD), cos, sin)
+        h = blk.attn.output(_sdpa(q, k, v, mask, causal=True))
+        f_BKD, _ = blk.mlp_branch(x_BKD + h, h)
+        g_BK = block.gate(torch.gather(r_BT, 1, idx_BK)) * valid_BK
+        x = routing.scatter_add_tokens(x, idx_BK, g_BK.unsqueeze(-1) * f_BKD)
+        cache.prefill(k, v, idx_BK, counts, counts_B)
+        return x
+
+    # --- decode -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, tokens_B: torch.Tensor) -> torch.Tensor:
+        """Feed one token per sequence (at its own next position); return logits (B, V)."""
+        model = self.model
+        assert tokens_B.shape == (self.batch,)
+        assert max(self.seq_lens) < self.cache.max_len, "decoder is full (max_len tokens fed)"
+        pos_B = self.seq_len
+        cos, sin = model.rope(pos_B.unsqueeze(1))
+        x = model.embed(tokens_B.to(self.device).unsqueeze(1))
+        for block, cache in zip(model.blocks, self.cache.blocks, strict=True):
+            if isinstance(block, RoutedBlock):
+                r_B1 = block.router_logits(x)
+                sel = (block.decision_logits(x, r_B1)[:, 0] > 0).tolist()
+                if all(sel):
+                    f = self._step_block(block.block, cache, x, cos, sin, pos_B)
+                    x = x + (block.gate(r_B1).unsqueeze(-1) * f).to(x.dtype)
+                elif any(sel):  # only the routed sequences go through
+                    rows = [b for b, s in enumerate(sel) if s]
+                    rows_R = torch.tensor(rows, dtype=torch.long, device=self.device)
+                    f = self._step_block(
+                        block.block,
+                        cache,
+                        x[rows_R],
+                        cos[rows_R],
+                        sin[rows_R],
+                        pos_B[rows_R],
+                        rows,
+                        rows_R,
+                    )
+                    g_R11 = block.gate(r_B1[rows_R]).unsqueeze(-1)
+                    x = x.index_add(0, rows_R, (g_R11 * f).to(x.dtype))
+            else:
+                x = x + self._step_block(block.block, cache, x, cos, sin, pos_B)
+        self.seq_len += 1
+        self.seq_lens = [n + 1 for n in self.seq_lens]
+        return model.head(model.norm(x[:, 0]))
+
+    @staticmethod
+    def _step_block(
+        blk: Block,
+        cache: BlockCache,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pos_B: torch.Tensor,
+        rows: list[int] | None = None,
+        rows_R: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        q, k, v = blk.attn.project_qkv(blk.norm1(x), cos, sin)
+        keys, values, mask = cache.step(k, v, pos_B, rows, rows_R)
+        h = blk.attn.output(_sdpa(q, keys, values, mask, causal=False))
+        f, _ = blk.mlp_branch(x + h, h)
+        return f
+
+    @torch.inference_mode()
+    def keep(self, rows: list[int]) -> None:
+        """Keep only sequences ``rows`` (indices into the current batch), in that order."""
+        if rows == list(range(self.batch)):
+            return
+        self.cache.keep(rows)
+        self.seq_len = self.seq_len[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        self.seq_lens = [self.seq_lens[r] for r in rows]
+
+
+# --- sampling ---------------------------------------------------------------------------
+
+
+def _check_sampling(
+    max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None
+) -> None:
+    if max_new_tokens < 0:
+        raise UserError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    if not temperature >= 0 or math.isinf(temperature):
+        raise UserError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"top_k={top_k}: must be >= 1 (or unset)")
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise UserError(f"top_p={top_p}: must be in (0, 1] (or unset)")
+
+
+def _check_prompts(model: Transformer, prompts: Sequence[Sequence[int]]) -> None:
+    cfg = model.cfg
+    if len(prompts) == 0:
+        raise UserError("no prompts given: pass at least one prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise UserError(
+                f"prompt {i} is empty: give at least one token"
+                " (e.g. the end-of-text token to sample unconditionally)"
+            )
+        if len(p) >= cfg.context:
+            raise UserError(
+                f"prompt {i} has {len(p)} tokens but the model's context is {cfg.context}:"
+                f" at most {cfg.context - 1} prompt tokens leave room to generate"
+            )
+        bad = [t for t in p if not (0 <= int(t) < cfg.vocab_size)]
+        if bad:
+            raise UserError(
+                f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})"
+            )
+
+
+def sample_next(
+    logits_BV: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token per row: argmax at temperature 0, else sampled from the filtered softmax.
+
+    ``top_k`` keeps the k most likely tokens; ``top_p`` the smallest set whose
+    probability reaches p (always at least the most likely token).
+    """
+    if temperature == 0:
+        return logits_BV.argmax(-1)
+    logits = logits_BV.float() / temperature
+    V = logits.shape[-1]
+    if top_k is not None and top_k < V:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of the more likely tokens
+        sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+# --- public entry points ------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eot_id: int | None = None,
+    *,
+    vocab_limit: int | None = None,
+) -> list[list[int]]:
+    """Continue every prompt (a list of token ids) by up to ``max_new_tokens`` tokens.
+
+    All prompts run as one batch; each keeps its own positions and cache fill,
+    so the result equals generating each prompt alone (up to fp round-off, and
+    exactly the same tokens when greedy). Returns the *new* tokens of each
+    prompt; a sequence stops after emitting ``eot_id`` (included in its output),
+    after ``max_new_tokens``, or when prompt plus output reach the context.
+    ``temperature`` 0 is greedy. ``seed`` makes sampling reproducible (None:
+    torch's global generator). ``vocab_limit``: never sample ids at or above it
+    (a tokenizer smaller than the model's vocabulary).
+    """
+    _check_prompts(model, prompts)
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    out: list[list[int]] = [[] for _ in prompts]
+    if max_new_tokens == 0:
+        return out
+    context = model.cfg.context
+    budgets = [min(max_new_tokens, context - len(p)) for p in prompts]
+    max_fed = max(len(p) + n - 1 for p, n in zip(prompts, budgets, strict=True))
+    dec = Decoder(model, len(prompts), max(1, max_fed))
+    gen = _generator(seed, dec.device)
+    rows = list(range(len(prompts)))
+    logits = dec.prefill(prompts)
+    while True:
+        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+            logits[:, vocab_limit:] = float("-inf")
+        tok_B = sample_next(logits, temperature, top_k, top_p, gen)
+        keep = []
+        for i, (row, tok) in enumerate(zip(rows, tok_B.tolist(), strict=True)):
+            out[row].append(tok)
+            if tok != eot_id and len(out[row]) < budgets[row]:
+                keep.append(i)
+        if not keep:
+            return out
+        if len(keep) < len(rows):
+            dec.keep(keep)
+            rows = [rows[i] for i in keep]
+            tok_B = tok_B[torch.tensor(keep, dtype=torch.long, device=tok_B.device)]
+        logits = dec.step(tok_B)
+
+
+@torch.inference_mode()
+def decode_logits(
+    model: Transformer,
+    tokens: torch.Tensor | Sequence[Sequence[int]],
+    prefill: int = 1,
+    *,
+    sparse_alloc: str = "expected",
+    slack: float = DEFAULT_SLACK,
+    return_cache: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, KVCache]:
+    """Logits (B, T, V) of equal-length sequences computed through the cache.
+
+    The first ``prefill`` tokens go through :meth:`Decoder.prefill` in one pass,
+    the rest one step at a time. Equals ``model(tokens, routing_mode="causal")``
+    up to round-off; with ``return_cache`` also returns the filled cache.
+    """
+    idx_BT = torch.as_tensor(tokens, dtype=torch.long)
+    B, T = idx_BT.shape
+    assert 1 <= prefill <= T <= model.cfg.context
+    dec = Decoder(model, B, T, sparse_alloc=sparse_alloc, slack=slack)
+    logits = [dec.prefill(idx_BT[:, :prefill].tolist(), all_logits=True)]
+    for t in range(prefill, T):
+        logits.append(dec.step(idx_BT[:, t]).unsqueeze(1))
+    out = torch.cat(logits, dim=1)
+    return (out, dec.cache) if return_cache else out
+
+
+def generate_text(
+    model: Transformer,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+) -> list[str]:
+    """Continue text prompts; returns each continuation's text (without the end-of-text token).
+
+    ``tokenizer``: a :class:`xmodlm.data.tokenizer.Tokenizer` (``encode``,
+    ``decode``, ``eot_id``, ``vocab_size``). An empty prompt is an error; to
+    sample unconditionally, pass the text ``<|endoftext|>``.
+    """
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise UserError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model only"
+            f" {model.cfg.vocab_size}: they do not belong together"
+        )
+    ids = [tokenizer.encode(p) for p in prompts]
+    for i, (text, p) in enumerate(zip(prompts, ids, strict=True)):
+        if not p:
+            raise UserError(
+                f"prompt {i} ({text!r}) is empty: give some text, or <|endoftext|>"
+                " to sample unconditionally"
+            )
+    new = generate(
+        model,
+        ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eot_id=tokenizer.eot_id,
+        vocab_limit=tokenizer.vocab_size,
+    )
+    eot = tokenizer.eot_id
+    return [tokenizer.decode(t[:-1] if t and t[-1] == eot else t) for t in new]
+
+
+def generate_from_run(
+    run_dir: str | Path,
+    prompts: Sequence[str],
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    device: str = "cpu",
+) -> list[str]:
+    """``xmod generate RUN_DIR --prompt TEXT``: continue prompts with a run's newest checkpoint.
+
+    Raises :class:`UserError` for a missing run directory, a run without a
+    complete checkpoint or tokenizer, a checkpoint of another configuration,
+    an empty prompt, or a prompt longer than the context.
+    """
+    from xmodlm.data.tokenizer import Tokenizer
+    from xmodlm.train.checkpoint import load_run, tokenizer_path
+
+    if not Path(run_dir).is_dir():
+        raise UserError(f"run directory {str(run_dir)!r} not found")
+    _, model, _ = load_run(run_dir, device)
+    tokenizer = Tokenizer.load(tokenizer_path(run_dir))
+    return generate_text(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+    )
+
+
+# --- benchmarking ------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def calibrate_routers_(
+    model: Transformer,
+    fraction: float | None = None,
+    *,
+    batch: int = 4,
+    seq_len: int | None = None,
+    seed: int = 0,
+) -> list[float]:
+    """Make an *untrained* model route about ``fraction`` of tokens causally (benchmarks only).
+
+    An untrained router's logit r = x . w is symmetric about zero, so the causal
+    decision sigmoid(r) > 1/2 routes about half the tokens whatever the weights'
+    scale, while a trained router routes about c. To time decoding at a trained
+    model's routed fraction without training, this modifies the model in place:
+
+    * BCE routers (no bias): a shared random vector, as long as a typical
+      embedding, is added to every token embedding (trained residual streams
+      have such a common direction), and each sparse block's router, in depth
+      order, becomes ``w = s (u - beta m)``: ``m`` the mean direction of the
+      block's inputs on random tokens, ``u`` a random unit vector orthogonal to
+      it, ``beta`` the ``1 - fraction`` quantile of ``(x.u) / (x.m)`` so that
+      r > 0 for about ``fraction`` of tokens, ``s`` scaling r to unit spread;
+    * predictors: the output bias is set to minus that quantile of the logit.
+
+    Returns the routed fraction each sparse block reaches on the calibration
+    tokens (fraction defaults to the config's capacity).
+    """
+    cfg = model.cfg
+    fraction = cfg.capacity if fraction is None else fraction
+    assert 0.0 < fraction < 1.0
+    gen = torch.Generator().manual_seed(seed)
+    device = model.embed.weight.device
+    T = seq_len or cfg.context
+    idx = torch.randint(0, cfg.vocab_size, (batch, T), generator=gen).to(device)
+    routed = [b for b in model.blocks if isinstance(b, RoutedBlock)]
+    if any(b.predictor is None for b in routed):
+        emb = model.embed.weight
+        shared = torch.randn(cfg.d_model, generator=gen).to(emb)
+        emb += shared / shared.norm() * emb.norm(dim=-1).mean()
+    pos_T = torch.arange(T, device=device)
+    x = model.embed(idx)
+    reached = []
+    for block in model.blocks:
+        if isinstance(block, RoutedBlock):
+            x_ND = x.reshape(-1, cfg.d_model).float()
+            if block.predictor is None:
+                m = x_ND.mean(0)
+                m = m / m.norm()
+                u = torch.randn(cfg.d_model, generator=gen).to(m)
+                u = u - (u @ m) * m
+                u = u / u.norm()
+                p_u, p_m = x_ND @ u, x_ND @ m
+                assert (p_m > 0).all(), "calibration needs the shared embedding direction"
+                beta = torch.quantile(p_u / p_m, 1.0 - fraction)
+                r = p_u - beta * p_m
+                w = (u - beta * m) / r.std()
+                block.router.weight.copy_(w.unsqueeze(0).to(block.router.weight))
+            else:
+                last = block.predictor[-1]
+                logit = block.predictor(x_ND).squeeze(-1)
+                last.bias -= torch.quantile(logit, 1.0 - fraction)
+            d = block.decision_logits(x, block.router_logits(x))
+            reached.append(float((d > 0).float().mean()))
+        x, _ = block(x, model.rope, pos_T, "causal")
+    return reached
+
+
+@torch.inference_mode()
+def decode_benchmark(
+    model: Transformer,
+    batch: int = 1,
+    prompt_len: int = 128,
+    new_tokens: int = 128,
+    *,
+    repeats: int = 3,
+    temperature: float = 1.0,
+    seed: int = 0,
+    sparse_alloc: str = "expected",
+) -> dict[str, Any]:
+    """Decode speed and KV memory of ``model`` on random prompts.
+
+    Prefills ``batch`` random prompts of ``prompt_len`` tokens, then times
+    ``new_tokens`` decode steps (each feeds one token per sequence and samples
+    the next; sampling at ``temperature`` 1 keeps the token stream, and so the
+    routing, like random text; greedy decoding of an untrained model repeats
+    one token). One untimed warm-up run, then the median of ``repeats``.
+
+    Returns ``tokens_per_s`` (decoded tokens per second, summed over the batch),
+    ``prefill_tokens_per_s``, ``kv_bytes_allocated`` and ``kv_bytes_used`` at the
+    end of decoding, ``routed_fraction`` (mean over sparse blocks of cached /
+    fed tokens; None for a model without sparse blocks) and per block, and the
+    number of cache growths.
+    """
+    cfg = model.cfg
+    if prompt_len < 1 or new_tokens < 1 or batch < 1:
+        raise UserError("decode benchmark: batch, prompt_len and new_tokens must be >= 1")
+    max_len = prompt_len + new_tokens
+    if max_len > cfg.context:
+        raise UserError(
+            f"decode benchmark: prompt_len {prompt_len} + new_tokens {new_tokens} exceed the"
+            f" model's context {cfg.context}"
+        )
+    device = model.embed.weight.device
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
+
+    def run(steps: int) -> tuple[float, float, Decoder]:
+        sgen = _generator(seed, device)
+        dec = Decoder(model, batch, max_len, sparse_alloc=sparse_alloc)
+        t0 = time.perf_counter()
+        logits = dec.prefill(prompts)
+        t1 = time.perf_counter()
+        for _ in range(steps):
+            logits = dec.step(sample_next(logits, temperature, generator=sgen))
+        logits.sum().item()  # finish queued device work
+        return t1 - t0, time.perf_counter() - t1, dec
+
+    run(min(new_tokens, 8))
+    times = [run(new_tokens) for _ in range(max(1, repeats))]
+    prefill_s = statistics.median(t[0] for t in times)
+    decode_s = statistics.median(t[1] for t in times)
+    cache = times[-1][2].cache
+    fed = batch * max_len
+    sparse = [n / fed for n, b in zip(cache.routed_tokens(), cache.blocks, strict=True) if b.sparse]
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "tokens_per_s": batch * new_tokens / decode_s,
+        "decode_s": decode_s,
+        "prefill_tokens_per_s": batch * prompt_len / prefill_s,
+        "kv_bytes_allocated": cache.bytes_allocated(),
+        "kv_bytes_used": cache.bytes_used(),
+        "kv_bytes_positions": cache.bytes_positions(),
+        "kv_grows": cache.n_grows(),
+        "routed_fraction": sum(sparse) / len(sparse) if sparse else None,
+        "routed_fraction_per_block": sparse,
+        "threads": torch.get_num_threads(),
+    }

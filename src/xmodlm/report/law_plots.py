@@ -1,0 +1,196 @@
+"""Plots of a fitted scaling law: the four a reader checks before trusting one.
+
+* ``law_isoflop.png``: dense loss against N_ae for each compute tier, runs and
+  the fitted law (per context), so a bad fit is visible where it matters;
+* ``law_delta.png``: ln(L_x / L_d_hat) of each X-MoD run against the expansion
+  ratio rho, by stride and context, with the selected form's curves;
+* ``law_pred_obs.png``: predicted against observed loss, in-fit runs and
+  held-out runs marked apart (a law's training fit proves little);
+* ``law_bootstrap.png``: bootstrap distributions of the main parameters.
+
+Figures are built with :class:`matplotlib.figure.Figure` (Agg canvas) and never
+through pyplot, so nothing global changes in the caller's process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from xmodlm.law import dense
+from xmodlm.law.delta import Features
+from xmodlm.law.fit import LawFit, predict_samples
+from xmodlm.law.table import validate
+
+_MARKERS = "osD^v<>ph*"
+
+
+def plot_law(fit: LawFit, df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """Write the law's PNG plots for the runs ``df`` it was fitted on; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    frame = validate(df).frame
+    figures = {"law_isoflop.png": _isoflop(fit, frame), "law_pred_obs.png": _pred_obs(fit, frame)}
+    if fit.delta is not None and frame["is_sparse"].any():
+        figures["law_delta.png"] = _delta(fit, frame)
+    figures["law_bootstrap.png"] = _bootstrap(fit)
+    paths = []
+    for name, fig in figures.items():
+        FigureCanvasAgg(fig)
+        fig.savefig(out / name, dpi=120, bbox_inches="tight")
+        paths.append(out / name)
+    return paths
+
+
+def _isoflop(fit: LawFit, frame: pd.DataFrame) -> Figure:
+    """Dense runs and the dense law along each compute tier, one panel per context.
+
+    Along a tier, D = C / (k N) with k the tier's median FLOPs per token per
+    active parameter (6 when FLOPs were not recorded), so the curve passes
+    where the runs' models sit.
+    """
+    runs = frame[~frame["is_sparse"]]
+    contexts = sorted(fit.dense)
+    fig = Figure(figsize=(5 * len(contexts), 4))
+    for i, t in enumerate(contexts):
+        ax = fig.add_subplot(1, len(contexts), i + 1)
+        at = runs[runs["context"] == t]
+        tiers = sorted(at["tier"].unique())
+        colors = _colors(len(tiers))
+        for color, tier in zip(colors, tiers, strict=True):
+            group = at[at["tier"] == tier]
+            k = (group["compute"] / group["tokens"] / group["params_active"]).median()
+            n = np.geomspace(
+                group["params_active"].min() / 2, group["params_active"].max() * 2, 100
+            )
+            compute = group["compute"].median()
+            law = np.exp(dense.log_loss(fit.dense[t].value, np.log(n), np.log(compute / (k * n))))
+            ax.plot(n, law, color=color, lw=1)
+            ax.scatter(
+                group["params_active"],
+                group["val_loss"],
+                color=color,
+                s=18,
+                label=f"C ~ 1e{tier:g}",
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel("active parameters N_ae")
+        ax.set_ylabel("validation loss (nats)")
+        ax.set_title("dense runs" if t == 0 else f"dense runs, context {t}")
+        ax.legend(fontsize=7)
+    return fig
+
+
+def _delta(fit: LawFit, frame: pd.DataFrame) -> Figure:
+    """Observed y = ln(L_x / L_d_hat) against rho, and the selected form at median N_ae."""
+    law = fit.delta
+    assert law is not None
+    runs = frame[frame["is_sparse"]]
+    pred = predict_samples(fit, runs)
+    observed = np.log(runs["val_loss"].to_numpy()) - pred.ln_dense
+    fig = Figure(figsize=(6, 4.5))
+    ax = fig.add_subplot()
+    strides = sorted(runs["stride"].unique())
+    contexts = sorted(runs["context"].unique())
+    colors = dict(zip(contexts, _colors(len(contexts)), strict=True))
+    for marker, s in zip(_MARKERS, strides, strict=False):
+        for t in contexts:
+            at = ((runs["stride"] == s) & (runs["context"] == t)).to_numpy()
+            if at.any():
+                ax.scatter(
+                    runs["rho"][at],
+                    observed[at],
+                    marker=marker,
+                    color=colors[t],
+                    s=20,
+                    label=f"S={s}, T={t}",
+                )
+            c = np.linspace(runs["capacity"].min(), 1.0, 50)
+            curve = pd.DataFrame(
+                {
+                    "stride": s,
+                    "capacity": c,
+                    "context": t,
+                    "params_active": runs["params_active"].median(),
+                }
+            )
+            curve["rho"] = s / (1 + c * (s - 1))
+            ax.plot(
+                curve["rho"],
+                law.spec.predict(law.value, Features.of(curve, fit.reference)),
+                color=colors[t],
+                lw=0.8,
+                alpha=0.7,
+            )
+    ax.axhline(0, color="0.5", lw=0.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("expansion ratio rho = L / L_active")
+    ax.set_ylabel("ln(L_x / L_dense law)")
+    ax.set_title(f"delta law: {law.form}")
+    ax.legend(fontsize=6, ncol=2)
+    return fig
+
+
+def _pred_obs(fit: LawFit, frame: pd.DataFrame) -> Figure:
+    """Predicted against observed loss; held-out predictions come from refits without them."""
+    pred = np.exp(predict_samples(fit, frame).ln_point)
+    fig = Figure(figsize=(5, 5))
+    ax = fig.add_subplot()
+    ax.scatter(frame["val_loss"], pred, s=14, color="tab:blue", label="in fit")
+    held = fit.heldout_points
+    if held:
+        ax.scatter(
+            held["observed"],
+            held["predicted"],
+            s=22,
+            facecolors="none",
+            edgecolors="tab:red",
+            label=f"held out ({held['protocol']})",
+        )
+    lo = min(frame["val_loss"].min(), pred.min())
+    hi = max(frame["val_loss"].max(), pred.max())
+    ax.plot([lo, hi], [lo, hi], color="0.4", lw=0.8)
+    ax.set_xlabel("observed loss")
+    ax.set_ylabel("predicted loss")
+    ax.set_title("predicted vs observed")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _bootstrap(fit: LawFit) -> Figure:
+    """Histograms of bootstrap samples (red: the full-data fit): dense per context, then delta."""
+    panels = []
+    for t, law in sorted(fit.dense.items()):
+        for i, name in enumerate(dense.NAMES):
+            samples, value = law.samples[:, i], law.value[i]
+            if name in ("A", "B"):  # heavy right tails: read them on a log scale
+                name, samples, value = f"log10 {name}", np.log10(samples), np.log10(value)
+            panels.append((name if t == 0 else f"{name} (T={t})", samples, value))
+    if fit.delta is not None:
+        d = fit.delta
+        panels += [
+            (name, d.samples[:, i], d.value[i])
+            for i, name in enumerate(d.spec.names)
+            if name not in d.fixed
+        ]
+    cols = 5
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(3 * cols, 2.4 * rows))
+    for i, (title, samples, value) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        ax.hist(samples, bins=30, color="tab:gray")
+        ax.axvline(value, color="tab:red", lw=1)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _colors(n: int) -> list[tuple[float, float, float, float]]:
+    """``n`` colours evenly spaced along viridis (tiers and contexts are ordered)."""
+    return [colormaps["viridis"](x) for x in np.linspace(0, 0.9, n)]

@@ -1,0 +1,255 @@
+"""Running a sweep: resumable, retrying, on an existing engine.
+
+Each run is one ``xmod train`` subprocess with its own run directory
+``OUT/runs/<id>``, so a run is resumed exactly as a single training run is, and
+one failing run never takes the others down. The state of a run is read from
+its directory, never kept elsewhere:
+
+* ``summary.json`` with status ``ok`` (or ``diverged``): finished, skipped;
+* ``failure.json``: failed ``attempts`` times; retried until ``max_retries``;
+* anything else: pending, or interrupted (then ``xmod train`` resumes it).
+
+Executors hand runs to an engine and do no scheduling of their own:
+
+* ``local``: a process pool on this machine, cores shared between workers;
+* ``ray``: one Ray task per run (``ray.init(address=...)``: a cluster or a local
+  instance);
+* ``slurm``: one Slurm job per run through submitit (``LocalExecutor`` for tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xmodlm.errors import UserError
+from xmodlm.sweep.spec import RunSpec
+from xmodlm.train.checkpoint import atomic_write_json, atomic_write_text
+
+EXECUTORS = ("local", "ray", "slurm")
+ERROR_TAIL_LINES = 20
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a worker needs to run one training run (plain data: it crosses processes)."""
+
+    run_id: str
+    run_dir: str
+    config_yaml: str
+    threads: int
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Train one run in a subprocess; return its outcome (never raises for run errors)."""
+    run = Path(job.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    cfg_path = run / "sweep_config.yaml"
+    atomic_write_text(cfg_path, job.config_yaml)
+    env = {**os.environ, "OMP_NUM_THREADS": str(job.threads)}
+    cmd = [sys.executable, "-m", "xmodlm", "train", str(cfg_path), "--out", str(run), "--quiet"]
+    t0 = time.time()
+    with open(run / "train.log", "a") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    outcome: dict[str, Any] = {"run_id": job.run_id, "returncode": proc.returncode,
+                               "wall_s": time.time() - t0}
+    summary = run / "summary.json"
+    if proc.returncode in (0, 1) and summary.is_file():
+        outcome["status"] = json.loads(summary.read_text()).get("status", "ok")
+    else:
+        outcome["status"] = "failed"
+        lines = (run / "train.log").read_text(errors="replace").splitlines()
+        outcome["error_tail"] = "\n".join(lines[-ERROR_TAIL_LINES:])
+    return outcome
+
+
+def run_state(run_dir: Path) -> tuple[str, int]:
+    """(state, failed attempts) of a run directory: done | failed | pending."""
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        try:
+            status = json.loads(summary.read_text()).get("status")
+        except ValueError:
+            status = None
+        if status in ("ok", "diverged"):
+            return "done", 0
+    failure = run_dir / "failure.json"
+    attempts = 0
+    if failure.is_file():
+        try:
+            attempts = int(json.loads(failure.read_text()).get("attempts", 0))
+        except ValueError:
+            attempts = 0
+    return ("failed" if attempts else "pending"), attempts
+
+
+class Progress:
+    """A one-line live display: done / running / failed and an ETA."""
+
+    def __init__(self, total: int, done: int, enabled: bool = True) -> None:
+        self.total, self.done, self.failed, self.running = total, done, 0, 0
+        self.enabled = enabled
+        self.t0 = time.time()
+        self.finished_here = 0
+
+    def update(self, running: int) -> None:
+        self.running = running
+        if not self.enabled:
+            return
+        elapsed = time.time() - self.t0
+        left = self.total - self.done - self.failed
+        eta = elapsed / self.finished_here * left if self.finished_here else float("nan")
+        eta_s = "?" if eta != eta else f"{eta / 60:.1f} min"
+        sys.stderr.write(
+            f"\rsweep: {self.done}/{self.total} done, {self.running} running,"
+            f" {self.failed} failed, ETA {eta_s}   "
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def run_sweep(
+    runs: list[RunSpec],
+    out_dir: str | Path,
+    executor: str = "local",
+    workers: int | None = None,
+    max_retries: int = 2,
+    progress: bool = True,
+    ray_address: str | None = None,
+    slurm_folder: str | None = None,
+    slurm_params: dict[str, Any] | None = None,
+    slurm_local: bool = False,
+) -> dict[str, Any]:
+    """Run every unfinished run of a sweep; return counts and each run's outcome."""
+    if executor not in EXECUTORS:
+        raise UserError(f"executor {executor!r} unknown; allowed: {', '.join(EXECUTORS)}")
+    out = Path(out_dir)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    cores = os.cpu_count() or 1
+    workers = max(1, workers or 1)
+    threads = max(1, cores // workers)
+    todo, done = [], 0
+    for r in runs:
+        state, attempts = run_state(out / "runs" / r.run_id)
+        if state == "done":
+            done += 1
+        elif attempts <= max_retries:
+            todo.append(Job(r.run_id, str(out / "runs" / r.run_id), r.cfg.to_yaml(), threads))
+    bar = Progress(len(runs), done, enabled=progress)
+    submit = _engine(executor, workers, threads, ray_address, slurm_folder, slurm_params,
+                     slurm_local)
+    outcomes: list[dict[str, Any]] = []
+    for outcome in submit(todo, bar):
+        outcomes.append(outcome)
+        run = out / "runs" / outcome["run_id"]
+        if outcome["status"] == "failed":
+            _, attempts = run_state(run)
+            atomic_write_json(run / "failure.json", {**outcome, "attempts": attempts + 1})
+            bar.failed += 1
+        else:
+            (run / "failure.json").unlink(missing_ok=True)
+            bar.done += 1
+        bar.finished_here += 1
+        bar.update(bar.running)
+    bar.close()
+    return {"total": len(runs), "skipped": done, "ran": len(outcomes),
+            "failed": sum(o["status"] == "failed" for o in outcomes), "outcomes": outcomes}
+
+
+Submit = Callable[[list[Job], Progress], Iterable[dict[str, Any]]]
+
+
+def _engine(
+    executor: str,
+    workers: int,
+    threads: int,
+    ray_address: str | None,
+    slurm_folder: str | None,
+    slurm_params: dict[str, Any] | None,
+    slurm_local: bool,
+) -> Submit:
+    if executor == "local":
+        return lambda jobs, bar: _run_local(jobs, bar, workers)
+    if executor == "ray":
+        return lambda jobs, bar: _run_ray(jobs, bar, threads, ray_address)
+    return lambda jobs, bar: _run_slurm(jobs, bar, slurm_folder, slurm_params or {}, slurm_local)
+
+
+def _run_local(jobs: list[Job], bar: Progress, workers: int) -> Iterable[dict[str, Any]]:
+    """A thread pool of subprocess launchers: each worker runs one `xmod train` at a time."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: set[Future[dict[str, Any]]] = {pool.submit(run_job, j) for j in jobs}
+        bar.update(min(workers, len(pending)))
+        while pending:
+            finished, pending = wait(pending, timeout=2.0, return_when=FIRST_COMPLETED)
+            bar.update(min(workers, len(pending)))
+            for fut in finished:
+                yield fut.result()
+
+
+def _run_ray(
+    jobs: list[Job], bar: Progress, threads: int, address: str | None
+) -> Iterable[dict[str, Any]]:
+    try:
+        import ray
+    except ImportError:
+        raise UserError("executor 'ray' needs Ray: pip install 'xmod-lm[ray]'") from None
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    try:
+        remote = ray.remote(num_cpus=threads)(run_job)
+        refs = [remote.remote(j) for j in jobs]
+        while refs:
+            ready, refs = ray.wait(refs, num_returns=1, timeout=2.0)
+            bar.update(len(refs))
+            for ref in ready:
+                yield ray.get(ref)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _run_slurm(
+    jobs: list[Job],
+    bar: Progress,
+    folder: str | None,
+    params: dict[str, Any],
+    local: bool,
+) -> Iterable[dict[str, Any]]:
+    try:
+        import submitit
+    except ImportError:
+        raise UserError("executor 'slurm' needs submitit: pip install 'xmod-lm[slurm]'") from None
+    if not jobs:
+        return
+    log_dir = folder or str(Path(jobs[0].run_dir).parent.parent / "slurm_logs")
+    ex = submitit.LocalExecutor(folder=log_dir) if local else submitit.AutoExecutor(folder=log_dir)
+    ex.update_parameters(**({"timeout_min": 60 * 24} | params))
+    submitted = [ex.submit(run_job, j) for j in jobs]
+    while submitted:
+        still = []
+        for sj in submitted:
+            if sj.done():
+                try:
+                    yield sj.result()
+                except Exception as err:  # the job itself died (node failure, timeout)
+                    run_id = Path(sj.submission().args[0].run_dir).name
+                    yield {"run_id": run_id, "status": "failed", "error_tail": str(err)[-2000:]}
+            else:
+                still.append(sj)
+        submitted = still
+        bar.update(len(submitted))
+        if submitted:
+            time.sleep(1.0)

@@ -1,0 +1,305 @@
+"""The scaling-law framework (DESIGN 5) on synthetic runs from known laws.
+
+Every table comes from :func:`synthetic_runs`: a true dense law and delta form
+with noise sigma = 0.01 in ln L, so a correct fit must put the truth inside its
+95% bootstrap intervals and predict held-out runs to about the noise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from xmodlm import flops
+from xmodlm.errors import UserError
+from xmodlm.law import delta, dense, holdout
+from xmodlm.law.fit import LawFit, fit_law, load_fit, predict
+from xmodlm.law.recommend import dense_config, recommend
+from xmodlm.law.synthetic import TRUE_DELTA, TRUE_DENSE, synthetic_runs
+from xmodlm.law.table import read_table, validate
+from xmodlm.model import active_depth
+from xmodlm.report.law_plots import plot_law
+
+SIGMA = 0.01
+N_BOOT = 100  # enough for 95% percentile intervals in tests; the CLI default is 1000
+TRUE_FORMS = {
+    "base": TRUE_DELTA,
+    "scale": {"g_cap": 0.03, "kappa": 0.1, "g_ctx": 0.01, "g_int": -0.005},
+    "saturating": {"g_cap": 0.04, "r0": 0.5, "g_ctx": 0.01, "g_int": -0.005},
+    "quadratic": {"g_cap": 0.04, "g_quad": 0.01, "g_ctx": 0.01, "g_int": -0.005},
+}
+
+
+def inside(table: dict, truth: dict) -> dict[str, bool]:
+    return {k: table[k]["ci"][0] <= v <= table[k]["ci"][1] for k, v in truth.items()}
+
+
+@pytest.fixture(scope="module")
+def mixed_runs() -> pd.DataFrame:
+    """Dense and X-MoD runs at two contexts and four compute tiers, base delta form."""
+    return synthetic_runs(120, sigma=SIGMA, seed=1)
+
+
+@pytest.fixture(scope="module")
+def mixed_fit(mixed_runs: pd.DataFrame) -> LawFit:
+    return fit_law(mixed_runs, n_boot=N_BOOT, seed=0)
+
+
+@pytest.fixture(scope="module")
+def sparse_helps() -> LawFit:
+    """A law fitted where X-MoD clearly helps: many dense runs at one context."""
+    runs = synthetic_runs(
+        160,
+        true_delta_params={"g_cap": 0.06, "g_ctx": 0.0, "g_int": 0.0},
+        contexts=(1024,),
+        dense_fraction=0.5,
+        seed=2,
+    )
+    return fit_law(runs, form="base", n_boot=N_BOOT, seed=0)
+
+
+def test_dense_fit_recovers_truth_from_minimal_csv(tmp_path) -> None:
+    runs = synthetic_runs(48, sigma=SIGMA, dense_fraction=1.0, contexts=(1024,), seed=5)
+    path = tmp_path / "runs.csv"
+    runs[["params_active", "tokens", "val_loss"]].to_csv(path, index=False)
+    fit = fit_law(read_table(path), n_boot=200, seed=0)
+    law = fit.to_json()["dense"][0]
+    assert law["context"] == 0 and fit.selected is None and fit.notes
+    assert all(inside(law["params"], TRUE_DENSE).values()), law["params"]
+    for name, p in law["params"].items():
+        assert p["ci"][1] > p["ci"][0], (
+            f"{name}: a collapsed interval means the refits stopped early"
+        )
+    assert law["optimizer"]["converged"] and law["optimizer"]["grad_norm"] < 1e-6
+    assert law["optimizer"]["bootstrap_converged"] > 0.95
+
+
+@pytest.mark.parametrize("name", list(TRUE_FORMS))
+def test_delta_form_recovers_truth(name: str) -> None:
+    runs = synthetic_runs(100, true_delta_form=name, true_delta_params=TRUE_FORMS[name], seed=0)
+    fit = fit_law(runs, form=name, n_boot=N_BOOT, seed=0)
+    params = fit.to_json()["delta"]["forms"][name]["params"]
+    assert all(inside(params, TRUE_FORMS[name]).values()), params
+    assert fit.metrics["heldout"]["rmse"] < 2 * SIGMA
+
+
+def test_auto_selects_by_heldout_error(mixed_fit: LawFit) -> None:
+    selection = mixed_fit.selection
+    assert selection is not None and selection["protocol"] == "leave-cell-out"
+    rmse = {name: m["rmse"] for name, m in selection["heldout"].items()}
+    assert set(rmse) == set(delta.FORMS)
+    assert mixed_fit.selected == min(rmse, key=rmse.get)
+    held = mixed_fit.metrics["heldout"]
+    assert held["rmse"] < 2 * SIGMA and held["n"] == mixed_fit.runs["sparse"]
+    assert held["kendall_tau"] > 0.5 and 0 <= held["regret"] < SIGMA
+    assert 0.5 < held["ratio"] < 2
+
+
+@pytest.mark.parametrize("protocol", ["top-compute", "longest-context"])
+def test_other_protocols(mixed_runs: pd.DataFrame, protocol: str) -> None:
+    frame = validate(mixed_runs).frame
+    rng = np.random.default_rng(0)
+    fits = {}
+    for t in (256, 1024):
+        rows = frame[(frame["context"] == t) & ~frame["is_sparse"]]
+        ln_n, ln_d = np.log(rows["params_active"]), np.log(rows["tokens"])
+        fits[t] = dense.fit_dense(
+            ln_n.to_numpy(), ln_d.to_numpy(), np.log(rows["val_loss"]).to_numpy(), rng, "t"
+        )
+    results, failed = holdout.evaluate(
+        frame, protocol, [delta.FORMS["base"]], fits, delta.REFERENCE, rng
+    )
+    assert not failed
+    metrics = results["base"].metrics
+    assert metrics["n"] > 0 and metrics["rmse"] < 3 * SIGMA
+
+
+def test_forms_are_exactly_zero_in_dense_limit() -> None:
+    rng = np.random.default_rng(0)
+    limit = pd.DataFrame(
+        {
+            "stride": [1, 1, 1, 2, 4, 16],
+            "capacity": [0.125, 0.5, 1.0, 1.0, 1.0, 1.0],
+            "context": [256, 1024, 8192, 256, 4096, 512],
+            "params_active": [1e5, 1e7, 1e9, 1e6, 1e8, 3e7],
+        }
+    )
+    limit["rho"] = limit["stride"] / (1 + limit["capacity"] * (limit["stride"] - 1))
+    x = delta.Features.of(limit, delta.REFERENCE)
+    for form in delta.FORMS.values():
+        lo, hi = np.array([p.bounds for p in form.params]).T
+        theta = lo + rng.random((50, len(lo))) * (hi - lo)
+        for term in form.terms(theta, x).values():
+            assert np.all(term == 0.0), form.name
+        assert np.all(form.predict(theta, x) == 0.0)
+
+
+def test_rho_matches_model_active_depth() -> None:
+    for stride, capacity in [(2, 0.125), (4, 0.25), (8, 0.5)]:
+        cfg, _ = flops.flop_match(dense_config(256, 512, 4096), stride, capacity)
+        row = pd.DataFrame(
+            {
+                "params_active": [1e6],
+                "tokens": [1e8],
+                "stride": [stride],
+                "capacity": [capacity],
+                "context": [512],
+            }
+        )
+        rho = validate(row, need_loss=False).frame["rho"].iloc[0]
+        assert rho == pytest.approx(cfg.n_layers / active_depth(cfg), rel=1e-12)
+
+
+def _runs(n: int = 12) -> pd.DataFrame:
+    return synthetic_runs(n, dense_fraction=1.0, contexts=(512,), seed=3)
+
+
+@pytest.mark.parametrize(
+    "breaks, message",
+    [
+        (lambda df: df.head(4), "4 runs cannot fit the 5 dense-law parameters"),
+        (lambda df: df.assign(val_loss=df["val_loss"].where(df.index != 3)), "row 3: val_loss"),
+        (
+            lambda df: df.assign(val_loss=df["val_loss"].where(df.index != 2, -1.0)),
+            "row 2: val_loss=-1.0",
+        ),
+        (lambda df: df.assign(tokens=df["tokens"].where(df.index != 1, 0.0)), "row 1: tokens"),
+        (lambda df: df.assign(params_active=1e6, tokens=1e8), "single configuration"),
+        (lambda df: df.drop(columns=["val_loss", "tokens"]), "missing column(s) tokens, val_loss"),
+        (lambda df: df.assign(status="failed"), "no usable runs"),
+        (lambda df: df.assign(stride=4, capacity=0.25), "no dense runs"),
+    ],
+)
+def test_degenerate_inputs_raise_user_error(breaks, message: str) -> None:
+    with pytest.raises(UserError, match=re.escape(message)):
+        fit_law(breaks(_runs()), n_boot=20)
+
+
+def test_bad_arguments_raise_user_error() -> None:
+    runs = _runs()
+    for kwargs, message in [
+        ({"form": "cubic"}, "unknown delta form"),
+        ({"holdout": "random"}, "unknown holdout protocol"),
+        ({"n_boot": 5}, "n_boot=5"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            fit_law(runs, **kwargs)
+
+
+def test_too_few_xmod_runs_for_the_form() -> None:
+    runs = synthetic_runs(40, contexts=(512,), seed=3)
+    few = pd.concat([runs[runs["stride"] == 1], runs[runs["stride"] > 1].head(2)])
+    with pytest.raises(UserError, match=r"2 X-MoD runs cannot fit [23] parameters; need at least"):
+        fit_law(few, form="base", n_boot=20)
+
+
+def test_unfinished_and_moe_runs_are_dropped_and_counted() -> None:
+    runs = _runs().assign(status=["ok", "done", "diverged", "OK ", "running", "ok"] * 2)
+    runs.loc[0, "family"] = "moe"
+    validated = validate(runs)
+    assert validated.dropped_unfinished == 4 and validated.excluded_moe == 1
+    assert len(validated.frame) == 7
+
+
+def test_read_table_csv_parquet_and_bad_paths(tmp_path) -> None:
+    runs = _runs()
+    runs.to_parquet(tmp_path / "runs.parquet")
+    runs.to_csv(tmp_path / "runs.csv", index=False)
+    for name in ("runs.parquet", "runs.csv"):
+        pd.testing.assert_frame_equal(read_table(tmp_path / name), runs, check_dtype=False)
+    (tmp_path / "runs.txt").write_text("x")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    for name, message in [
+        ("missing.csv", "not found"),
+        ("runs.txt", "expected a .csv"),
+        ("bad.parquet", "not readable"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            read_table(tmp_path / name)
+
+
+def test_predict_one_row_each_with_interval(mixed_fit: LawFit, mixed_runs: pd.DataFrame) -> None:
+    out = predict(mixed_fit, mixed_runs)
+    assert len(out) == len(mixed_runs)
+    assert (out["lo"] <= out["pred_loss"]).all() and (out["pred_loss"] <= out["hi"]).all()
+    assert (out["lo"] < out["hi"]).all()
+    dense_rows = mixed_runs["stride"] == 1
+    assert (out.loc[dense_rows, "delta"] == 0).all() and (
+        out.loc[~dense_rows, "delta"] < 0
+    ).mean() > 0.9
+    terms = out[["capacity_term", "context_term", "interaction_term"]].sum(axis=1)
+    assert np.allclose(terms, out["delta"])
+    assert np.allclose(np.log(out["pred_loss"]), np.log(mixed_runs["val_loss"]), atol=4 * SIGMA)
+
+
+def test_json_round_trip(mixed_fit: LawFit, tmp_path) -> None:
+    data = json.loads(json.dumps(mixed_fit.to_json(), allow_nan=False))
+    assert set(data["dense"][0]["params"]) == {"E", "A", "B", "alpha", "beta"}
+    assert len(data["dense"][0]["samples"]) == N_BOOT
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps(data))
+    again = load_fit(path)
+    assert json.dumps(again.to_json()) == json.dumps(data)
+    rows = pd.DataFrame(
+        {
+            "params_active": [1e7, 2e7],
+            "tokens": [1e9, 1e9],
+            "context": 1024,
+            "stride": [1, 4],
+            "capacity": [1, 0.25],
+        }
+    )
+    pd.testing.assert_frame_equal(predict(again, rows), predict(mixed_fit, rows))
+    path.write_text("{}")
+    with pytest.raises(UserError, match="not a law fit"):
+        load_fit(path)
+
+
+def test_recommend_picks_sparse_when_the_law_says_so(sparse_helps: LawFit) -> None:
+    out = recommend(
+        1e17, 1024, 1e7, law=sparse_helps, strides=(1, 2, 4, 8), capacities=(0.125, 0.25, 0.5)
+    )
+    assert out["answer"].startswith("train X-MoD") and out["best"]["p_beats_dense"] >= 0.9
+    assert (
+        out["best"] is out["candidates"][0] or out["best"]["loss"] >= out["candidates"][0]["loss"]
+    )
+    assert not out["warnings"]
+    json.dumps(out, allow_nan=False)
+    capped = recommend(1e17, 1024, 1e7, law=sparse_helps, max_total_params=3e7)
+    assert capped["excluded_by_max_total_params"] > 0
+    assert all(c["params_total"] <= 3e7 for c in capped["candidates"])
+
+
+def test_recommend_says_dense_when_sparse_hurts() -> None:
+    runs = synthetic_runs(
+        100,
+        true_delta_params={"g_cap": -0.03, "g_ctx": 0.0, "g_int": 0.0},
+        contexts=(1024,),
+        seed=4,
+    )
+    out = recommend(1e17, 1024, 1e7, law=fit_law(runs, form="base", n_boot=N_BOOT, seed=0))
+    assert out["answer"] == "train dense" and out["best"] is None
+    assert "P >= 0.9" in out["reason"]
+    assert all(c["p_beats_dense"] < 0.9 for c in out["candidates"])
+
+
+def test_recommend_warns_on_extrapolation(sparse_helps: LawFit) -> None:
+    out = recommend(1e22, 8192, 1e10, law=sparse_helps)
+    text = " ".join(out["warnings"])
+    assert "compute 1e+22" in text and "context 8192" in text and "active_params" in text
+
+
+def test_recommend_without_a_law_needs_one() -> None:
+    with pytest.raises(UserError, match="--law FIT"):
+        recommend(1e17, 1024, 1e7)
+
+
+def test_plot_law_writes_pngs(mixed_fit: LawFit, mixed_runs: pd.DataFrame, tmp_path) -> None:
+    paths = plot_law(mixed_fit, mixed_runs, tmp_path)
+    assert len(paths) == 4
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,127 @@
+"""Sweeps: expansion into compute-matched runs, executors, resume, the results table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from xmodlm import flops
+from xmodlm.cli import main
+from xmodlm.errors import UserError
+from xmodlm.sweep import collect_results, expand, load_spec, run_sweep, write_results
+from xmodlm.sweep.results import COLUMNS
+
+
+def _spec(tmp_path: Path, data_dir: Path, families: list[dict], **extra) -> Path:
+    spec = {
+        "name": "tiny",
+        "base": "micro",
+        "compute": [2.0e9],
+        "context": [32],
+        "dense": [{"width": 32, "n_layers": 2, "n_heads": 2}],
+        "families": families,
+        "seeds": [0],
+        "set": [f"data.dir={data_dir}", "model.vocab_size=300", "train.batch_size=4",
+                "train.max_steps=3", "data.val_batches=1", "train.warmup_steps=1"],
+        **extra,
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+FOUR = [{"family": "dense"}, {"family": "xmod", "stride": 2, "capacity": [0.25, 0.5]},
+        {"family": "mod"}]
+
+
+def test_expand_is_compute_matched_with_stable_ids(tiny_data_dir: Path, tmp_path: Path) -> None:
+    runs = expand(load_spec(_spec(tmp_path, tiny_data_dir, FOUR)))
+    assert len(runs) == 4
+    assert {r.cfg.model.family for r in runs} == {"dense", "xmod", "mod"}
+    dense = next(r for r in runs if r.cfg.model.family == "dense")
+    f_dense = flops.count(dense.cfg.model).flops_train
+    for r in runs:
+        assert r.cfg.train.compute == 2.0e9
+        assert abs(flops.count(r.cfg.model).flops_train / f_dense - 1) < 0.35
+        assert r.row()["tokens"] * r.row()["flops_per_token"] == pytest.approx(2.0e9)
+    again = expand(load_spec(_spec(tmp_path, tiny_data_dir, FOUR)))
+    assert [r.run_id for r in runs] == [r.run_id for r in again]
+    assert len({r.run_id for r in runs}) == 4
+
+
+def test_bad_specs(tmp_path: Path, tiny_data_dir: Path) -> None:
+    with pytest.raises(UserError, match="not found"):
+        load_spec(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("compute: [1]\ndense: [{width: 32, n_layers: 2}]\nfamilies: [{family: foo}]\n")
+    with pytest.raises(UserError, match="family 'foo'"):
+        expand(load_spec(bad))
+    bad.write_text("compute: [1]\nbogus: 1\n")
+    with pytest.raises(UserError, match="bogus"):
+        load_spec(bad)
+
+
+def test_local_sweep_runs_then_skips(tiny_data_dir: Path, tmp_path: Path) -> None:
+    runs = expand(load_spec(_spec(tmp_path, tiny_data_dir, FOUR)))
+    out = tmp_path / "sweep"
+    first = run_sweep(runs, out, executor="local", workers=2, progress=False)
+    assert first["ran"] == 4 and first["failed"] == 0, first["outcomes"]
+    second = run_sweep(runs, out, executor="local", workers=2, progress=False)
+    assert second["ran"] == 0 and second["skipped"] == 4
+    table, left_out = collect_results(out)
+    assert len(table) == 4 and not left_out
+    assert list(table.columns[: len(COLUMNS)]) == COLUMNS
+    assert (table["status"] == "ok").all() and (table["val_loss"] > 0).all()
+
+    # a corrupt summary is reported and left out, never used
+    victim = out / "runs" / runs[0].run_id / "summary.json"
+    victim.write_text("{not json")
+    table, left_out = collect_results(out)
+    assert len(table) == 3 and left_out == {runs[0].run_id: "corrupt summary.json"}
+    path, n, _ = write_results(out)
+    assert n == 3 and len(pd.read_csv(path)) == 3
+
+
+def test_failing_run_is_recorded_and_others_finish(tiny_data_dir: Path, tmp_path: Path) -> None:
+    runs = expand(load_spec(_spec(tmp_path, tiny_data_dir, [{"family": "dense"}, {"family": "mod"}])))
+    # make one run impossible: its context exceeds what the data can hold
+    bad = runs[1]
+    bad.cfg.model.context = 10_000_000
+    out = tmp_path / "sweep"
+    result = run_sweep(runs, out, executor="local", workers=1, max_retries=1, progress=False)
+    assert result["failed"] == 1 and result["ran"] == 2
+    failure = json.loads((out / "runs" / bad.run_id / "failure.json").read_text())
+    assert failure["attempts"] == 1 and "context" in failure["error_tail"]
+    result = run_sweep(runs, out, executor="local", max_retries=1, progress=False)
+    assert result["ran"] == 1 and result["skipped"] == 1  # retried once more
+    result = run_sweep(runs, out, executor="local", max_retries=1, progress=False)
+    assert result["ran"] == 0  # retry limit reached
+
+
+def test_ray_executor(tiny_data_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    runs = expand(load_spec(_spec(tmp_path, tiny_data_dir, [{"family": "dense"}])))
+    result = run_sweep(runs, tmp_path / "sweep", executor="ray", progress=False)
+    assert result["ran"] == 1 and result["failed"] == 0, result["outcomes"]
+
+
+def test_slurm_executor_via_submitit_local(tiny_data_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("submitit")
+    runs = expand(load_spec(_spec(tmp_path, tiny_data_dir, [{"family": "dense"}])))
+    result = run_sweep(runs, tmp_path / "sweep", executor="slurm", slurm_local=True,
+                       progress=False)
+    assert result["ran"] == 1 and result["failed"] == 0, result["outcomes"]
+
+
+def test_cli_dry_run(tiny_data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    spec = _spec(tmp_path, tiny_data_dir, FOUR)
+    assert main(["sweep", str(spec), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for col in ("id", "family", "stride", "capacity", "n_layers", "params_total",
+                "params_active", "flops_per_token", "tokens", "compute", "est_s"):
+        assert col in out
+    assert main(["sweep", str(tmp_path / "missing.yaml"), "--dry-run"]) == 2
