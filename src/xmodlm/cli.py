@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from xmodlm.errors import UserError
@@ -161,6 +162,80 @@ def cmd_results(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from xmodlm.model.generate import generate_from_run
+
+    texts = generate_from_run(
+        args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        device=args.device,
+    )
+    for prompt, text in zip(args.prompt, texts, strict=True):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "completion": text}))
+        else:
+            print(prompt + text)
+            if len(args.prompt) > 1:
+                print("-" * 40)
+    return 0
+
+
+def cmd_law_fit(args: argparse.Namespace) -> int:
+    from xmodlm.law.fit import fit_law
+    from xmodlm.law.table import read_table
+
+    fit = fit_law(read_table(args.results), form=args.form, holdout=args.holdout,
+                  n_boot=args.n_boot, seed=args.seed)
+    payload = fit.to_json()
+    if args.out:
+        from xmodlm.train.checkpoint import atomic_write_json
+
+        atomic_write_json(Path(args.out), payload)
+    if args.plots:
+        from xmodlm.report.law_plots import plot_law
+
+        for path in plot_law(fit, read_table(args.results), args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.json:
+        _print_json(payload)
+    else:
+        d = payload["delta"]
+        print(f"selected delta form: {d['selected']} ({d['selection'].get('why', '')})")
+        print(json.dumps(payload["metrics"], indent=2))
+    return 0
+
+
+def cmd_law_predict(args: argparse.Namespace) -> int:
+    from xmodlm.law.fit import load_fit, predict
+    from xmodlm.law.table import read_table
+
+    out = predict(load_fit(args.fit), read_table(args.input))
+    if args.json:
+        _print_json({"predictions": out.to_dict(orient="records")})
+    else:
+        print(out.to_string(index=False))
+    return 0
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    from xmodlm.law.fit import load_fit
+    from xmodlm.law.recommend import recommend
+
+    result = recommend(
+        args.compute, args.context, args.active_params,
+        law=load_fit(args.law) if args.law else None,
+        max_total_params=args.max_total_params,
+    )
+    if args.json:
+        _print_json(result)
+    else:
+        print(result["answer"])
+        print(result.get("reason", ""))
+        for w in result.get("warnings", []):
+            print(f"warning: {w}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="xmod",
@@ -216,6 +291,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sweep_dir")
     p.add_argument("--out", default=None, help="output CSV (default SWEEP_DIR/results.csv)")
     p.set_defaults(func=cmd_results)
+
+    p = sub.add_parser("generate", help="sample text from a trained run (causal routing)")
+    p.add_argument("run_dir")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt text (repeat for several prompts in one batch)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("law", help="fit and apply the X-MoD scaling law")
+    law_sub = p.add_subparsers(dest="law_command", required=True, parser_class=_Parser)
+    p = law_sub.add_parser("fit", help="fit the dense law and the X-MoD delta law")
+    p.add_argument("results", help="results table (CSV or Parquet)")
+    p.add_argument("--form", default="auto", help="delta form (auto: chosen by held-out error)")
+    p.add_argument("--holdout", default=None,
+                   help="leave-cell-out | top-compute | longest-context")
+    p.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the fit JSON here (for predict/recommend)")
+    p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_law_fit)
+    p = law_sub.add_parser("predict", help="predict losses for the rows of a table")
+    p.add_argument("fit", help="fit JSON from `xmod law fit --out`")
+    p.add_argument("--input", required=True, help="table of configurations (CSV or Parquet)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_law_predict)
+
+    p = sub.add_parser("recommend", help="which routing configuration to train, by the law")
+    p.add_argument("--compute", type=float, required=True, help="training FLOPs C")
+    p.add_argument("--context", type=int, required=True, help="context length T")
+    p.add_argument("--active-params", type=float, required=True, help="N_ae of the backbone")
+    p.add_argument("--max-total-params", type=float, default=None)
+    p.add_argument("--law", default=None, help="fit JSON (default: the shipped fit)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_recommend)
 
     p = sub.add_parser(
         "demo", help="prepare the corpus, train compute-matched dense-tiny and xmod-tiny"

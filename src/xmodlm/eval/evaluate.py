@@ -1,0 +1,106 @@
+"""``evaluate_run``: everything ``xmod eval RUN_DIR`` reports about a trained run.
+
+Held-out loss under top-k and causal routing (``trainer.evaluate`` on fixed,
+stratified windows of the chosen split), bits per byte, top-k/causal agreement,
+per-sparse-block capacity actually used under causal routing, and accuracy on the
+offline downstream tasks of :mod:`xmodlm.eval.tasks`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xmodlm.data.batches import load_manifest, load_split, val_batches
+from xmodlm.data.tokenizer import Tokenizer
+from xmodlm.errors import UserError
+from xmodlm.eval import tasks as task_mod
+from xmodlm.train.checkpoint import load_run, tokenizer_path
+from xmodlm.train.trainer import evaluate
+
+
+def evaluate_run(
+    run_dir: str | Path,
+    data_dir: str | Path | None = None,
+    split: str = "test",
+    tasks: Sequence[str] = task_mod.TASKS,
+    max_batches: int = 8,
+    batch_size: int | None = None,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    max_items: int = 200,
+    seed: int = 0,
+    items_dir: str | Path | None = None,
+    step: int | None = None,
+) -> dict[str, Any]:
+    """Evaluate the newest loadable checkpoint of ``run_dir`` (or ``step``) on ``split``.
+
+    ``data_dir`` defaults to the run config's ``data.dir``; ``items_dir`` (task
+    items, built once and reused) to ``RUN_DIR/eval_items``. Returns a JSON-able
+    dict: ``val_loss_topk``, ``val_loss_causal``, ``val_bpb``, ``val_bpb_causal``,
+    ``routing_agreement`` (None without sparse blocks), ``capacity_causal`` (one
+    fraction per sparse block; empty without), ``tasks`` = {name: {accuracy, items,
+    chance}} and bookkeeping (``checkpoint``, ``step``, ``split``, ``eval_tokens``).
+    """
+    names = task_mod.check_tasks(tasks)
+    if max_batches < 1:
+        raise UserError(f"max_batches must be at least 1, got {max_batches}")
+    t0 = time.perf_counter()
+    cfg, model, ckpt = load_run(run_dir, device=device, step=step)
+    data_dir = Path(data_dir if data_dir is not None else cfg.data.dir)
+    manifest = load_manifest(data_dir)
+    if manifest["vocab_size"] > cfg.model.vocab_size:
+        raise UserError(
+            f"data directory {data_dir} has vocabulary {manifest['vocab_size']}, more than the"
+            f" model's {cfg.model.vocab_size}: evaluate on the data the run was trained on"
+        )
+    data = load_split(data_dir, split)
+    context = cfg.model.context
+    if len(data) < context + 1:
+        raise UserError(
+            f"split {split!r} of {data_dir} has {len(data)} tokens, fewer than context + 1 ="
+            f" {context + 1}: prepare more held-out data"
+        )
+    bs = batch_size or cfg.train.batch_size
+    # no more windows than the split holds without overlap (at least one)
+    n_batches = max(1, min(max_batches, (len(data) - 1) // (context * bs)))
+    batches = val_batches(data, n_batches, bs, context)
+    ev = evaluate(model, batches, torch.device(device), dtype, manifest, split)
+    result: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "checkpoint": str(ckpt),
+        "step": int(ckpt.name.split("_")[1]),
+        "split": split,
+        "eval_tokens": n_batches * bs * context,
+        "val_loss_topk": ev["val_loss_topk"],
+        "val_loss_causal": ev["val_loss_causal"],
+        "val_bpb": ev["val_bpb"],
+        "val_bpb_causal": ev["val_bpb_causal"],
+        "routing_agreement": ev.get("routing_agreement"),
+        "capacity_causal": ev.get("capacity_causal", []),
+        "capacity_target": cfg.model.capacity if "s" in model.layout else None,
+    }
+    for key in ("coverage", "depth_hist", "jaccard"):
+        if key in ev:
+            result[key] = ev[key]
+    result["tasks"] = {}
+    if names:
+        tok_file = _tokenizer_file(run_dir, data_dir)
+        tok = Tokenizer.load(tok_file)
+        where = Path(items_dir) if items_dir is not None else Path(run_dir) / "eval_items"
+        for name in names:
+            items = task_mod.load_or_build_items(name, data_dir, where, split, seed, max_items)
+            result["tasks"][name] = task_mod.score_task(name, items, model, tok, device)
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def _tokenizer_file(run_dir: str | Path, data_dir: Path) -> Path:
+    try:
+        return tokenizer_path(run_dir)
+    except UserError:
+        return data_dir / "tokenizer.json"  # Tokenizer.load names it if it is missing too

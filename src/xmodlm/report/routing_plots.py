@@ -1,0 +1,242 @@
+"""Pictures of where sparse compute goes.
+
+* :func:`show_routing`: a passage with each token shaded by how many sparse blocks
+  processed it under causal routing (the inference-time decision), a heatmap of
+  sparse blocks x tokens, and optionally a self-contained HTML page with the same
+  shading (hover a token for its per-block decisions);
+* :func:`plot_training`: coverage, per-token sparse-depth histogram (last eval) and
+  Jaccard overlap of consecutive sparse blocks over training, from the eval
+  records of ``metrics.jsonl``.
+
+Figures use :class:`matplotlib.figure.Figure` with the Agg canvas, never pyplot.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from xmodlm.data.tokenizer import Tokenizer
+from xmodlm.errors import UserError
+from xmodlm.model import Transformer
+from xmodlm.model.blocks import RoutedBlock
+from xmodlm.model.layers import matmul_dtype
+from xmodlm.train.checkpoint import load_run, tokenizer_path
+from xmodlm.train.trainer import read_metrics
+
+CMAP = "YlOrRd"
+LINE_CHARS = 90  # characters per rendered line of the passage
+CHAR_IN = 0.09  # inches per character in the PNG
+
+
+@torch.no_grad()
+def token_routing(model: Transformer, ids: list[int]) -> np.ndarray:
+    """(n_sparse, T) bool: which tokens each sparse block processes under causal routing."""
+    idx = torch.tensor([ids], dtype=torch.long, device=model.embed.weight.device)
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    x = model.embed(idx)
+    rot = model.rope(pos, matmul_dtype(x))
+    rows = []
+    for block in model.blocks:
+        x, out = block(x, model.rope, pos, "causal", rot)
+        if isinstance(block, RoutedBlock):
+            assert out.processed_BT is not None
+            rows.append(out.processed_BT[0].cpu().numpy())
+    return np.stack(rows).astype(bool) if rows else np.zeros((0, len(ids)), dtype=bool)
+
+
+def routing_of_text(run_dir: str | Path, text: str, device: str = "cpu") -> dict[str, Any]:
+    """Tokens of ``text`` (after ``<|endoftext|>``, cut to the context) and their routing."""
+    if not text.strip():
+        raise UserError("--text is empty: give a passage to route")
+    cfg, model, ckpt = load_run(run_dir, device=device)
+    if "s" not in model.layout:
+        raise UserError(f"run {str(run_dir)!r} has no sparse blocks (layout {model.layout}): nothing to show")
+    tok = Tokenizer.load(tokenizer_path(run_dir))
+    ids = tok.encode(text)
+    truncated = len(ids) > cfg.model.context - 1
+    ids = ids[: cfg.model.context - 1]
+    sel = token_routing(model, [tok.eot_id, *ids])[:, 1:]
+    return {
+        "tokens": [tok.decode([i]) for i in ids],
+        "ids": ids,
+        "selected": sel.tolist(),
+        "depth": [int(d) for d in sel.sum(0)],
+        "n_sparse": int(sel.shape[0]),
+        "layout": model.layout,
+        "truncated": truncated,
+        "checkpoint": str(ckpt),
+        "mean_depth": float(sel.sum(0).mean()),
+    }
+
+
+def _shade(cmap: Any, norm: Normalize, depth: int) -> tuple[float, float, float, float]:
+    """Colour of a token processed by ``depth`` sparse blocks: light enough for black text."""
+    return cmap(0.05 + 0.6 * norm(depth))
+
+
+def _display(token: str) -> str:
+    return token.replace("\n", "\u23ce").replace("\t", " ")
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def show_routing(
+    run_dir: str | Path,
+    text: str,
+    out_png: str | Path,
+    out_html: str | Path | None = None,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Draw the causal routing of ``text``; returns :func:`routing_of_text`'s dict plus paths."""
+    info = routing_of_text(run_dir, text, device)
+    tokens, depth, n_sparse = info["tokens"], info["depth"], info["n_sparse"]
+    sel = np.array(info["selected"], dtype=float)
+    cmap, norm = colormaps[CMAP], Normalize(0, max(1, n_sparse))
+
+    # lay the passage out in rows of LINE_CHARS monospace characters
+    placed, col, row = [], 0, 0
+    for t, d in zip(tokens, depth, strict=True):
+        s = _display(t)
+        if col + len(s) > LINE_CHARS and col > 0:
+            row, col = row + 1, 0
+            s = s.lstrip() or s
+        placed.append((row, col, s, d))
+        col += len(s)
+    n_rows = row + 1
+    # explicit axes in inches, so one data unit is exactly one monospace character:
+    # DejaVu Sans Mono advances 0.602 em, so CHAR_IN inches per char sets the size
+    text_w, text_h = LINE_CHARS * CHAR_IN, 0.3 * n_rows
+    heat_h = 0.3 * n_sparse + 0.2
+    left, right, top, gap, bottom = 0.9, 0.9, 0.45, 0.75, 0.9
+    W, H = left + text_w + right, top + text_h + gap + heat_h + bottom
+    fig = Figure(figsize=(W, H))
+    ax = fig.add_axes((left / W, (H - top - text_h) / H, text_w / W, text_h / H))
+    ax.set_xlim(0, LINE_CHARS)
+    ax.set_ylim(n_rows, 0)
+    ax.axis("off")
+    fontsize = CHAR_IN * 72 / 0.602
+    for r, c, s, d in placed:
+        ax.add_patch(Rectangle((c, r + 0.06), len(s), 0.88, color=_shade(cmap, norm, d), lw=0))
+        ax.text(c, r + 0.5, s, family="DejaVu Sans Mono", fontsize=fontsize, va="center",
+                ha="left")
+    title = f"sparse blocks processing each token (causal routing), layout {info['layout']}"
+    ax.set_title(title + (" [truncated to context]" if info["truncated"] else ""), fontsize=10,
+                 loc="left")
+    cax = fig.add_axes(((left + text_w + 0.15) / W, (H - top - text_h) / H, 0.12 / W,
+                        max(text_h, 0.6) / H))
+    shades = [_shade(cmap, norm, d) for d in range(n_sparse + 1)]
+    cax.imshow(np.array(shades)[::-1, None, :3], aspect="auto")
+    cax.set_xticks([])
+    cax.set_yticks(range(n_sparse + 1), [str(d) for d in range(n_sparse, -1, -1)], fontsize=8)
+    cax.yaxis.tick_right()
+    cax.set_title("depth", fontsize=8)
+
+    hx = fig.add_axes((left / W, bottom / H, text_w / W, heat_h / H))
+    hx.imshow(sel, aspect="auto", cmap="Greys", vmin=0, vmax=1.3, interpolation="nearest")
+    hx.set_yticks(range(n_sparse), [f"sparse {i}" for i in range(n_sparse)], fontsize=8)
+    T = len(tokens)
+    step = max(1, T // 60)
+    hx.set_xticks(range(0, T, step), [_display(tokens[i]) for i in range(0, T, step)],
+                  rotation=90, fontsize=7, family="DejaVu Sans Mono")
+    hx.set_title("processed (dark) per sparse block", fontsize=9)
+    info["png"] = str(_save(fig, out_png))
+    if out_html is not None:
+        info["html"] = str(_write_html(info, out_html, cmap, norm))
+    return info
+
+
+def _write_html(info: dict[str, Any], path: str | Path, cmap: Any, norm: Normalize) -> Path:
+    n = info["n_sparse"]
+    spans = []
+    for j, (t, d) in enumerate(zip(info["tokens"], info["depth"], strict=True)):
+        r, g, b, _ = _shade(cmap, norm, d)
+        blocks = "".join("1" if info["selected"][i][j] else "0" for i in range(n))
+        tip = f"token {j}: {d}/{n} sparse blocks, per block {blocks}"
+        spans.append(
+            f'<span style="background:rgb({int(r * 255)},{int(g * 255)},{int(b * 255)})"'
+            f' title="{html.escape(tip)}">{html.escape(t)}</span>'
+        )
+    legend = "".join(
+        '<span class="key" style="background:rgb({},{},{})">{}</span>'.format(
+            *(int(v * 255) for v in _shade(cmap, norm, d)[:3]), d
+        )
+        for d in range(n + 1)
+    )
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>xmod routing</title>
+<style>
+body {{ font-family: sans-serif; max-width: 60em; margin: 2em auto; }}
+.text {{ font-family: monospace; white-space: pre-wrap; line-height: 1.8; font-size: 15px; }}
+.key {{ display: inline-block; width: 2em; text-align: center; font-family: monospace; }}
+</style></head><body>
+<h3>Causal routing, layout {html.escape(info["layout"])}</h3>
+<p>Shade = number of sparse blocks (of {n}) that processed the token; hover for per-block
+decisions. Mean depth {info["mean_depth"]:.2f}.{" Truncated to the context." if info["truncated"] else ""}</p>
+<p>depth: {legend}</p>
+<div class="text">{"".join(spans)}</div>
+</body></html>
+"""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def plot_training(run_dir: str | Path, out_dir: str | Path) -> list[Path]:
+    """Coverage, depth histogram and Jaccard overlap from the run's eval records."""
+    evals = [r for r in read_metrics(run_dir) if r.get("kind") == "eval" and "coverage" in r]
+    if not evals:
+        raise UserError(
+            f"run {str(run_dir)!r} has no eval records with routing statistics in metrics.jsonl"
+        )
+    out = Path(out_dir)
+    steps = [r["step"] for r in evals]
+    paths = []
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    for w in range(len(evals[-1]["coverage"])):
+        ax.plot(steps, [r["coverage"][w] for r in evals], marker="o", label=f"window {w}")
+    ax.set(xlabel="step", ylabel="coverage (tokens in >= 1 sparse block)", ylim=(0, 1.02),
+           title="per-window coverage")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(_save(fig, out / "routing_coverage.png"))
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    hist = evals[-1]["depth_hist"]
+    ax.bar(range(len(hist)), hist, color=colormaps[CMAP](0.6))
+    ax.set(xlabel="sparse blocks processing a token", ylabel="fraction of tokens",
+           title=f"per-token sparse depth at step {steps[-1]}")
+    ax.set_xticks(range(len(hist)))
+    fig.tight_layout()
+    paths.append(_save(fig, out / "routing_depth_hist.png"))
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    for i in range(len(evals[-1].get("jaccard", []))):
+        ax.plot(steps, [r["jaccard"][i] for r in evals], marker="o", label=f"blocks {i}-{i + 1}")
+    ax.set(xlabel="step", ylabel="Jaccard overlap", ylim=(0, 1.02),
+           title="overlap of consecutive sparse blocks' selections")
+    if evals[-1].get("jaccard"):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(_save(fig, out / "routing_jaccard.png"))
+    return paths

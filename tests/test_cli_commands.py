@@ -1,0 +1,56 @@
+"""The CLI wrappers of generation and the law: contract keys and exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from xmodlm.cli import main
+from xmodlm.law.synthetic import synthetic_runs
+from xmodlm.train.trainer import train
+
+
+def test_law_fit_predict_recommend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table = tmp_path / "runs.csv"
+    synthetic_runs(60, seed=1, contexts=(1024,)).to_csv(table, index=False)
+    fit = tmp_path / "fit.json"
+    assert main(["law", "fit", str(table), "--n-boot", "50", "--out", str(fit), "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    params = payload["dense"][0]["params"]
+    assert set(params) >= {"E", "A", "B", "alpha", "beta"}
+    assert all(len(p["ci"]) == 2 for p in params.values())
+    assert main(["law", "predict", str(fit), "--input", str(table), "--json"]) == 0
+    preds = json.loads(capsys.readouterr().out)["predictions"]
+    assert len(preds) == 60 and all(p["lo"] <= p["pred_loss"] <= p["hi"] for p in preds)
+    assert main(["recommend", "--compute", "1e17", "--context", "1024",
+                 "--active-params", "3e7", "--law", str(fit), "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert "answer" in rec and rec["candidates"]
+
+
+def test_law_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("params_active,tokens\n1,2\n")
+    assert main(["law", "fit", str(bad)]) == 2
+    assert "val_loss" in capsys.readouterr().err
+    assert main(["recommend", "--compute", "1e17", "--context", "1024",
+                 "--active-params", "3e7", "--law", str(tmp_path / "none.json")]) == 2
+
+
+def test_generate_from_trained_run(tiny_data_dir: Path, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from test_train import small_cfg
+
+    run = tmp_path / "run"
+    train(small_cfg(tiny_data_dir, "train.max_steps=3"), run, progress=False)
+    args = ["generate", str(run), "--prompt", "The ship", "--prompt", "A king was",
+            "--max-new-tokens", "5", "--seed", "1", "--json"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first  # same seed, same text
+    rows = [json.loads(line) for line in first.splitlines()]
+    assert [r["prompt"] for r in rows] == ["The ship", "A king was"]
+    assert main(["generate", str(tmp_path / "nope"), "--prompt", "x"]) == 2

@@ -1,0 +1,101 @@
+"""Evaluation of a trained run: losses, routing stats, downstream tasks, routing pictures."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from test_train import small_cfg
+from xmodlm.errors import UserError
+from xmodlm.eval import evaluate_run
+from xmodlm.eval.tasks import (
+    build_cloze,
+    build_minimal_pairs,
+    flip_agreement,
+    load_documents,
+    swap_adjacent,
+    wrong_determiner,
+)
+from xmodlm.train.trainer import train
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("evalrun") / "run"
+    cfg = small_cfg(tiny_data_dir, "train.max_steps=12", "train.eval_every=6")
+    train(cfg, run, progress=False)
+    return run
+
+
+def test_corruptions() -> None:
+    rng = random.Random(0)
+    assert flip_agreement("The men were here.") == "The men was here."
+    assert flip_agreement("Is it so?") == "Are it so?"
+    assert flip_agreement("No verb here.") is None
+    assert wrong_determiner("He saw a ship.") == "He saw an ship."
+    assert wrong_determiner("An apple fell.") == "A apple fell."
+    assert wrong_determiner("He ate a apple.") is None  # already wrong: not a pair
+    assert wrong_determiner("The sea.") is None
+    swapped = swap_adjacent("The whale saw the ship.", rng)
+    assert swapped is not None and swapped != "The whale saw the ship."
+    assert sorted(swapped.lower().split()) == sorted("the whale saw the ship.".split())
+    assert swap_adjacent("Whale whale.", rng) is None
+    assert swap_adjacent("The whale.", rng) is None  # "whale." is not a bare word
+
+
+def test_items_deterministic(tiny_data_dir: Path) -> None:
+    docs = load_documents(tiny_data_dir, "test")
+    a, b = build_cloze(docs, seed=3, max_items=20), build_cloze(docs, seed=3, max_items=20)
+    assert a == b and 0 < len(a) <= 20
+    for it in a:
+        assert len(it["candidates"]) == 4 and len(set(it["candidates"])) == 4
+        assert it["candidates"][it["answer"]] == it["prefix"] + it["word"] + "."
+    assert build_cloze(docs, seed=4, max_items=20) != a
+    p = build_minimal_pairs(docs, seed=3, max_items=20)
+    assert p == build_minimal_pairs(docs, seed=3, max_items=20) and p
+    assert all(it["good"] != it["bad"] for it in p)
+
+
+def test_evaluate_run(tiny_run: Path, tmp_path: Path) -> None:
+    items = tmp_path / "items"
+    res = evaluate_run(tiny_run, max_batches=2, max_items=12, items_dir=items)
+    for key in ("val_loss_topk", "val_loss_causal", "val_bpb"):
+        assert 0 < res[key] < 10, (key, res[key])
+    assert 0 <= res["routing_agreement"] <= 1
+    assert len(res["capacity_causal"]) == 2 and all(0 <= c <= 1 for c in res["capacity_causal"])
+    assert set(res["tasks"]) == {"cloze", "minimal_pairs"}
+    assert res["tasks"]["cloze"]["chance"] == 0.25 and res["tasks"]["minimal_pairs"]["chance"] == 0.5
+    for task in res["tasks"].values():
+        assert 0 <= task["accuracy"] <= 1 and 0 < task["items"] <= 12
+    json.dumps(res)  # JSON-able for `xmod eval --json`
+    saved = (items / "cloze.jsonl").read_text()
+    assert (items / "minimal_pairs.jsonl").is_file()
+    again = evaluate_run(tiny_run, max_batches=1, max_items=12, items_dir=items, tasks=["cloze"])
+    assert (items / "cloze.jsonl").read_text() == saved
+    assert again["tasks"]["cloze"] == res["tasks"]["cloze"]
+
+
+def test_evaluate_errors(tiny_run: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="unknown task 'squad'"):
+        evaluate_run(tiny_run, tasks=["squad"])
+    with pytest.raises(UserError, match="not found"):
+        evaluate_run(tmp_path / "nope")
+    with pytest.raises(UserError, match="unknown split"):
+        evaluate_run(tiny_run, split="dev", tasks=())
+
+
+def test_show_routing_and_training_plots(tiny_run: Path, tmp_path: Path) -> None:
+    from xmodlm.report.routing_plots import plot_training, show_routing
+
+    png, page = tmp_path / "r.png", tmp_path / "r.html"
+    info = show_routing(tiny_run, "The whale <b> saw the ship.", png, page)
+    assert png.stat().st_size > 1000
+    html = page.read_text()
+    assert "<html" in html and "&lt;" in html and "<span" in html
+    assert len(info["tokens"]) == len(info["depth"]) > 0
+    assert all(0 <= d <= info["n_sparse"] for d in info["depth"])
+    paths = plot_training(tiny_run, tmp_path / "plots")
+    assert paths and all(Path(p).stat().st_size > 1000 for p in paths)
