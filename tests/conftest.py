@@ -19,7 +19,7 @@ def tiny_model_cfg(**changes: object) -> ModelConfig:
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # tiny models: one thread avoids contention
 
 
 WORDS = (

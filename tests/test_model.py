@@ -235,3 +235,15 @@ def test_every_preset_builds_and_trains_one_step(name: str) -> None:
 def test_variance_scaled_gamma_rule() -> None:
     assert routing.variance_scaled_gamma_init(1.0, 4) == pytest.approx(2.0)
     assert routing.variance_scaled_gamma_init(0.25, 8) == pytest.approx(1.0)
+
+
+def test_residual_rms_diagnostic_variance_scaled_vs_sigmoid() -> None:
+    """At c = 1/8 the variance-scaled gate starts at sqrt(c) ~ 0.35 < sigmoid's 0.5, so
+    its residual stream grows less through the sparse blocks; anchors are identical."""
+    from xmodlm.diagnostics import compare_gates_at_init
+
+    cfg = tiny_model_cfg(n_layers=8, stride=8, capacity=0.125)
+    rms = compare_gates_at_init(cfg)
+    assert len(rms["sigmoid"]) == len(rms["variance_scaled"]) == 8
+    assert rms["sigmoid"][0] == pytest.approx(rms["variance_scaled"][0])  # block 0 is an anchor
+    assert rms["variance_scaled"][-1] < rms["sigmoid"][-1]

@@ -123,7 +123,7 @@ def show_routing(
     # DejaVu Sans Mono advances 0.602 em, so CHAR_IN inches per char sets the size
     text_w, text_h = LINE_CHARS * CHAR_IN, 0.3 * n_rows
     heat_h = 0.3 * n_sparse + 0.2
-    left, right, top, gap, bottom = 0.9, 0.9, 0.45, 0.75, 0.9
+    left, right, top, gap, bottom = 0.9, 0.9, 0.45, 0.6, 0.9
     W, H = left + text_w + right, top + text_h + gap + heat_h + bottom
     fig = Figure(figsize=(W, H))
     ax = fig.add_axes((left / W, (H - top - text_h) / H, text_w / W, text_h / H))
@@ -138,8 +138,8 @@ def show_routing(
     title = f"sparse blocks processing each token (causal routing), layout {info['layout']}"
     ax.set_title(title + (" [truncated to context]" if info["truncated"] else ""), fontsize=10,
                  loc="left")
-    cax = fig.add_axes(((left + text_w + 0.15) / W, (H - top - text_h) / H, 0.12 / W,
-                        max(text_h, 0.6) / H))
+    bar_h = max(text_h, 0.6)  # may reach down into the gap, never above the text
+    cax = fig.add_axes(((left + text_w + 0.15) / W, (H - top - bar_h) / H, 0.12 / W, bar_h / H))
     shades = [_shade(cmap, norm, d) for d in range(n_sparse + 1)]
     cax.imshow(np.array(shades)[::-1, None, :3], aspect="auto")
     cax.set_xticks([])
