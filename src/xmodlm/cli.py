@@ -236,6 +236,37 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from xmodlm.eval import evaluate_run
+
+    tasks = tuple(t for t in args.tasks.split(",") if t) if args.tasks else ()
+    result = evaluate_run(args.run_dir, data_dir=args.data, split=args.split, tasks=tasks,
+                          max_items=args.max_items, device=args.device)
+    if args.json:
+        _print_json(result)
+    else:
+        print(f"loss top-k {result['val_loss_topk']:.4f}  causal {result['val_loss_causal']:.4f}"
+              f"  bpb {result['val_bpb']:.4f}  agreement {result['routing_agreement']}")
+        for name, task in result["tasks"].items():
+            print(f"{name}: {task['accuracy']:.3f} on {task['items']} items"
+                  f" (chance {task['chance']})")
+    return 0
+
+
+def cmd_show_routing(args: argparse.Namespace) -> int:
+    from xmodlm.report.routing_plots import plot_training, show_routing
+
+    out = Path(args.out)
+    png, html = (out.with_suffix(".png"), out) if out.suffix == ".html" else (out, None)
+    show_routing(args.run_dir, args.text, png, html or out.with_suffix(".html"),
+                 device=args.device)
+    print(f"wrote {png} and {html or out.with_suffix('.html')}")
+    if args.training_plots:
+        for path in plot_training(args.run_dir, args.training_plots):
+            print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="xmod",
@@ -304,6 +335,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="held-out losses, routing statistics, downstream tasks")
+    p.add_argument("run_dir")
+    p.add_argument("--data", default=None, help="data directory (default: the run's)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--tasks", default="cloze,minimal_pairs", help="comma-separated; '' for none")
+    p.add_argument("--max-items", type=int, default=200)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("show-routing", help="picture of which tokens the sparse blocks took")
+    p.add_argument("run_dir")
+    p.add_argument("--text", required=True)
+    p.add_argument("--out", required=True, help="PNG (an HTML page is written beside it)")
+    p.add_argument("--training-plots", default=None, metavar="DIR",
+                   help="also plot coverage, depth histogram and overlap from metrics.jsonl")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_show_routing)
 
     p = sub.add_parser("law", help="fit and apply the X-MoD scaling law")
     law_sub = p.add_subparsers(dest="law_command", required=True, parser_class=_Parser)
