@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests $(wildcard benchmarks)
 
 test: install lint
 	$(BIN)/python -m pytest -q -x
