@@ -54,8 +54,8 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path, PurePosixPath
 
-from xmodlm.data.fileio import sha256_file
 from xmodlm.errors import UserError
+from xmodlm.fileio import sha256_file
 
 CLEANING_VERSION = 1
 """Bump when parsing or cleaning changes: it is part of ``prepare``'s request, so old data rebuilds."""

@@ -50,9 +50,9 @@ import numpy as np
 import tokenizers
 
 from xmodlm.data.corpus import CLEANING_VERSION, Document, SourceSpec, load_source, resolve_sources
-from xmodlm.data.fileio import atomic_open, sha256_file
 from xmodlm.data.tokenizer import EOT, MIN_VOCAB_SIZE, TOKENIZER_FILE, Tokenizer, train_tokenizer
 from xmodlm.errors import UserError
+from xmodlm.fileio import atomic_open, sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from xmodlm.config import Config, load_config
 from xmodlm.errors import UserError
+from xmodlm.fileio import atomic_open, fsync_dir
 from xmodlm.model import Transformer
 
 CKPT_DIR = "ckpt"
@@ -37,28 +38,12 @@ CKPT_DIR = "ckpt"
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temporary file, fsync and rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "w") as f:
+        f.write(text)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -94,7 +79,7 @@ def save_checkpoint(
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,6 +1,6 @@
-"""Small file helpers shared by the data modules: atomic writes and checksums.
+"""Small file helpers shared by the package: atomic writes and checksums.
 
-Every file ``xmod data prepare`` produces is written through :func:`atomic_open`,
+Data files, checkpoints, configs and summaries are written through :func:`atomic_open`,
 so a crash or a full disk leaves either the old file or the new one, never half a
 file that a later run would mistake for finished work.
 """
@@ -35,10 +35,10 @@ def atomic_open(path: Path, mode: str = "wb", **kwargs: Any) -> Iterator[IO[Any]
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Persist a rename: the directory entry must reach the disk too (POSIX only)."""
     if os.name != "posix":
         return
