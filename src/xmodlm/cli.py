@@ -267,6 +267,17 @@ def cmd_show_routing(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from xmodlm.bench import run_bench
+
+    result = run_bench(
+        device=args.device, quick=args.quick, reps=args.reps, include_law=not args.no_law,
+        include_decode=not args.no_decode, progress=not args.json,
+    )
+    _print_json(result)  # the figures are one JSON object either way
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="xmod",
@@ -382,6 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--law", default=None, help="fit JSON (default: the shipped fit)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_recommend)
+
+    p = sub.add_parser("bench", help="speed figures, measured side by side in one process")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--quick", action="store_true", help="smoke size, under a minute")
+    p.add_argument("--reps", type=int, default=None, help="timed rounds")
+    p.add_argument("--no-law", action="store_true", help="skip the law-fit timing")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode timing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser(
         "demo", help="prepare the corpus, train compute-matched dense-tiny and xmod-tiny"
