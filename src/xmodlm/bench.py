@@ -13,10 +13,11 @@ bf16 autocast (the total loss, auxiliary losses included), gradient clipping at
 1.0, AdamW (fused where the platform has it), ``zero_grad(set_to_none=True)``.
 On CUDA every timed region starts and ends with a device synchronise.
 
-Eager or compiled: the run first times ``torch.compile`` (per block) against
-eager for the dense and the X-MoD model, and times every model in the mode that
-won (compiled only if it won every paired round for both); the ``compile``
-section and every ``train_step`` entry say which. On a CPU the process keeps
+Eager or compiled: the run first times ``torch.compile`` per block against
+eager (dense blocks on the dense model, routed blocks on the X-MoD model) and
+then compiles, in every model, exactly the block kinds for which compiled was
+faster (median of the paired ratios); the ``compile`` section and every
+``train_step`` entry say which. On a CPU the process keeps
 freed memory for reuse (:func:`retain_freed_memory`), as CUDA's caching
 allocator does.
 
@@ -109,18 +110,22 @@ def retain_freed_memory() -> str | None:
     32 MiB) with a fresh ``mmap`` and unmaps it on free, and trims the heap top;
     a training step that allocates and frees the same large activations each
     step then page-faults them all in again, every step. On this project's VMs
-    that cost 10-20% of a dense step (about 0.5 GiB of faults per step for the
-    bench-dense model, 1.2 GiB for 12 blocks) and almost nothing for X-MoD,
-    whose tensors are small. Raising the mmap threshold to 1 GiB and the trim
+    that cost about 9% of a bench-dense step (0.3-0.5 GiB of faults per step)
+    and 20% of a 12-block dense step (1.2 GiB), and nothing for X-MoD, whose
+    tensors are small. Raising the mmap threshold to 1 GiB and the trim
     threshold to 2 GiB makes the heap behave like the caching allocator CUDA
     uses. Process-wide; returns a description, or None where it does not apply
     (not glibc Linux).
     """
     if not sys.platform.startswith("linux"):
         return None
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc <malloc.h>
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(-3, 1 << 30) == 1 and libc.mallopt(-1, 2**31 - 1) == 1
+        ok = (
+            libc.mallopt(m_mmap_threshold, 1 << 30) == 1
+            and libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
+        )
     except (OSError, AttributeError):
         return None
     if not ok:
@@ -174,7 +179,7 @@ class Case:
     step: Callable[[], None]
     flops_per_token: float
     tokens_per_step: int
-    mode: str = "eager"  # or "compiled": torch.compile per block
+    mode: str = "eager"  # or which blocks are compiled (torch.compile per block)
     times: list[float] = dataclasses.field(default_factory=list)
 
 
@@ -200,22 +205,32 @@ def _make_step(
     return step
 
 
-def compile_blocks(model: Transformer) -> None:
-    """``torch.compile`` each block in place (MoE blocks stay eager: data-dependent shapes).
-
-    Per block rather than the whole model: blocks of the same type and shape
-    share one compiled graph, so every model of the benchmark compiles in
-    seconds after the first, and the head, loss and optimiser stay eager.
-    """
-    for block in model.blocks:
-        if not _is_moe(block):
-            block.compile()
+BLOCK_KINDS = ("dense", "routed")
 
 
-def _is_moe(block: nn.Module) -> bool:
+def _block_kind(block: nn.Module) -> str | None:
+    """``dense`` (anchor), ``routed`` (sparse) or None (MoE: data-dependent shapes)."""
+    from xmodlm.model.blocks import RoutedBlock
     from xmodlm.model.moe import MoEMLP
 
-    return isinstance(getattr(getattr(block, "block", None), "mlp", None), MoEMLP)
+    if isinstance(block, RoutedBlock):
+        return "routed"
+    if isinstance(getattr(getattr(block, "block", None), "mlp", None), MoEMLP):
+        return None
+    return "dense"
+
+
+def compile_blocks(model: Transformer, kinds: frozenset[str] | set[str]) -> None:
+    """``torch.compile`` in place the blocks whose kind (:data:`BLOCK_KINDS`) is in ``kinds``.
+
+    Per block rather than the whole model: blocks of one type and shape share a
+    compiled graph, so every model of the benchmark compiles in seconds after the
+    first; each block type can take the mode that is faster for it; the head,
+    loss and optimiser stay eager. MoE blocks always stay eager.
+    """
+    for block in model.blocks:
+        if _block_kind(block) in kinds:
+            block.compile()
 
 
 def _case(
@@ -224,7 +239,7 @@ def _case(
     batch: int,
     device: torch.device,
     reference: bool = False,
-    compiled: bool = False,
+    compiled: frozenset[str] | set[str] = frozenset(),
 ) -> Case:
     torch.manual_seed(0)
     model: nn.Module
@@ -235,7 +250,7 @@ def _case(
         model = Transformer(cfg).to(device)
         opt = build_optimizer(model, dataclasses.replace(load_config("bench-dense").train, lr=LR))
         if compiled:
-            compile_blocks(model)
+            compile_blocks(model, compiled)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1), generator=gen)
     x, y = tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
@@ -246,8 +261,18 @@ def _case(
         step=_make_step(model, opt, x, y, device, reference),
         flops_per_token=flops.count(cfg).flops_train,
         tokens_per_step=batch * cfg.context,
-        mode="compiled" if compiled else "eager",
+        mode=_mode_name(model, compiled),
     )
+
+
+def _mode_name(model: nn.Module, compiled: frozenset[str] | set[str]) -> str:
+    kinds = {_block_kind(b) for b in getattr(model, "blocks", [])} - {None}
+    done = sorted(kinds & set(compiled))
+    if not done:
+        return "eager"
+    if done == sorted(kinds):
+        return "compiled"
+    return "compiled " + "+".join(done) + " blocks, others eager"
 
 
 def _timed(case: Case, device: torch.device) -> float:
@@ -328,7 +353,7 @@ def routing_overhead(case: Case, device: torch.device, steps: int = 2) -> dict[s
     :data:`ROUTING_OPS` (the router + top-k + gather autograd node forward and
     backward, the out-of-place scatter-add and its backward, the selection mask,
     the gather of the gate logits and its backward) counts with its *total* CPU
-    time, unless an ancestor event already counted; the share is that sum over
+    time, unless it runs inside another such event; the share is that sum over
     the profiled steps' wall time. Profiling adds a little per-op overhead, so the
     share of these many small ops is if anything overstated. On CUDA the figure is
     host-side time, which is not device time: it is reported but means less.
@@ -344,21 +369,16 @@ def routing_overhead(case: Case, device: torch.device, steps: int = 2) -> dict[s
         _sync(device)
         wall = time.perf_counter() - t0
     by_part: dict[str, float] = {}
-    counted: set[int] = set()
     for ev in prof.events():
         part = ROUTING_OPS.get(ev.name)
         if part is None:
             continue
         parent, nested = ev.cpu_parent, False
-        while parent is not None:
-            if id(parent) in counted:
-                nested = True
-                break
+        while parent is not None and not nested:
+            nested = parent.name in ROUTING_OPS  # counted with its outermost routing event
             parent = parent.cpu_parent
-        if nested:
-            continue
-        counted.add(id(ev))
-        by_part[part] = by_part.get(part, 0.0) + ev.cpu_time_total / 1e6  # us -> s
+        if not nested:
+            by_part[part] = by_part.get(part, 0.0) + ev.cpu_time_total / 1e6  # us -> s
     total = sum(by_part.values())
     return {
         "share": total / wall,
@@ -372,47 +392,66 @@ def routing_overhead(case: Case, device: torch.device, steps: int = 2) -> dict[s
 
 
 def compile_probe(
+    configs: dict[str, ModelConfig],
     eager: dict[str, Case],
     batch: int,
     device: torch.device,
     reps: int,
     peak_n: int,
     deadline: float | None = None,
-) -> tuple[dict[str, Any], dict[str, Case]]:
-    """Eager vs ``torch.compile`` (per block, :func:`compile_blocks`), interleaved.
+) -> tuple[dict[str, Any], frozenset[str]]:
+    """Which block kinds to compile: eager vs ``torch.compile`` per block, interleaved.
 
-    For each eager case given, builds the same model with compiled blocks, times
-    its first step (the compile), then ``reps`` paired rounds. Compiled is used
-    for that family only if it was faster in every round (else eager: no
-    compile cost, no risk). Returns the figures and the compiled cases.
+    Times, in paired rounds, the dense model eager and with its blocks compiled,
+    and the X-MoD model eager, with its dense anchors compiled and with every
+    block compiled. Dense blocks are compiled if the compiled dense model was
+    faster (median of the paired ratios below 1); routed blocks are if compiling
+    them too (all vs anchors-only X-MoD) was faster. Returns the figures and the
+    set of block kinds to compile.
     """
-    compiled: dict[str, Case] = {}
     out: dict[str, Any] = {"how": "torch.compile per block (blocks of one shape share a graph)"}
+    variants = {
+        "dense:eager": ("dense", frozenset()),
+        "dense:compiled": ("dense", frozenset({"dense"})),
+        "xmod:eager": ("xmod_s4_c0125", frozenset()),
+        "xmod:compiled_anchors": ("xmod_s4_c0125", frozenset({"dense"})),
+        "xmod:compiled": ("xmod_s4_c0125", frozenset(BLOCK_KINDS)),
+    }
+    cases: dict[str, Case] = {}
     try:
-        for name, case in eager.items():
-            comp = _case(f"{name}:compiled", case.cfg, batch, device, compiled=True)
+        for label, (name, kinds) in variants.items():
+            if not kinds:
+                src = eager[name]  # the eager model, with a fresh list of times
+                cases[label] = dataclasses.replace(src, name=label, times=[])
+                continue
+            case = _case(label, configs[name], batch, device, compiled=kinds)
             t0 = time.perf_counter()
-            comp.step()  # compiles forward and backward
+            case.step()  # compiles forward and backward (or reuses a shared graph)
             _sync(device)
-            out[name] = {"compile_s": time.perf_counter() - t0}
-            compiled[name] = comp
+            out[f"{label}:first_step_s"] = time.perf_counter() - t0
+            cases[label] = case
     except Exception as err:  # noqa: BLE001 - e.g. a platform without a working C++ compiler
-        return {"unavailable": f"torch.compile failed: {type(err).__name__}: {err}"[:300]}, {}
-    probe = [Case(c.name, c.cfg, c.model, c.step, c.flops_per_token, c.tokens_per_step)
-             for c in eager.values()]  # fresh time lists for the eager side
-    pairs = [c for pair in zip(probe, compiled.values(), strict=True) for c in pair]
-    _interleave(pairs, reps, device, warmup=1, peak_n=peak_n, deadline=deadline, min_reps=2)
-    for (name, comp), eag in zip(compiled.items(), probe, strict=True):
-        ratio = _ratios(comp, eag)
-        out[name].update(
-            eager_ms=1000 * statistics.median(eag.times),
-            compiled_ms=1000 * statistics.median(comp.times),
-            compiled_over_eager=ratio,
-            reps=len(comp.times),
-            use="compiled" if ratio["max"] < 1.0 else "eager",
+        return {"unavailable": f"torch.compile failed: {type(err).__name__}: {err}"[:300]}, (
+            frozenset()
         )
-        comp.times.clear()
-    return out, compiled
+    _interleave(list(cases.values()), reps, device, warmup=1, peak_n=peak_n,
+                deadline=deadline, min_reps=2)
+    for label, case in cases.items():
+        out[label] = {"ms": _summary([1000 * t for t in case.times])}
+    comparisons = {
+        "dense_blocks": ("dense:compiled", "dense:eager"),
+        "routed_blocks": ("xmod:compiled", "xmod:compiled_anchors"),
+        "xmod_all_vs_eager": ("xmod:compiled", "xmod:eager"),
+        "xmod_anchors_vs_eager": ("xmod:compiled_anchors", "xmod:eager"),
+    }
+    kinds: set[str] = set()
+    for key, (a, b) in comparisons.items():
+        ratio = _ratios(cases[a], cases[b])
+        out[f"{key}_compiled_over_eager"] = ratio
+        if key.endswith("_blocks") and ratio["median"] < 1.0:
+            kinds.add(key.split("_")[0])
+    out["reps"] = len(cases["dense:eager"].times)
+    return out, frozenset(kinds)
 
 
 def law_fit(quick: bool) -> dict[str, Any]:
@@ -550,42 +589,40 @@ def run_bench(
     reference = _case("reference_gpt", dense_cfg, batch, dev, reference=True)
 
     # --- eager or compiled: measured first, then used ----------------------------
-    mode = "eager"
-    compiled: dict[str, Case] = {}
+    kinds: frozenset[str] = frozenset()
     if include_compile:
-        say("eager vs torch.compile (dense, X-MoD)")
+        say("eager vs torch.compile per block kind (dense, X-MoD)")
         deadline = None if budget is None else t_start + budget["probe"]
-        probe, compiled = compile_probe(
-            {k: eager[k] for k in ("dense", "xmod_s4_c0125")}, batch, dev, 3, peak_n, deadline
-        )
-        if compiled and all(probe[k]["use"] == "compiled" for k in compiled):
-            mode = "compiled"
-        result["compile"] = {**probe, "use": mode}
-        result["compile"]["note"] = (
-            f"train_step figures are {mode}: compiled is used only if it won every paired"
-            " round for both dense and X-MoD (MoE blocks always eager). train.compile=auto"
-            " compiles on CUDA only; set train.compile=on where compiled wins"
-        )
+        probe, kinds = compile_probe(configs, eager, batch, dev, 3, peak_n, deadline)
+        result["compile"] = {**probe, "compiled_block_kinds": sorted(kinds)}
     else:
         result["compile"] = {"skipped": "quick mode" if quick else "include_compile=False",
-                             "use": mode}
+                             "compiled_block_kinds": []}
+    result["compile"]["note"] = (
+        "the train_step figures compile exactly the block kinds listed in"
+        " compiled_block_kinds (the kinds for which compiled was faster, median of the"
+        " paired rounds) and"
+        " run everything else eager; MoE blocks are always eager. The trainer's"
+        " train.compile=auto compiles the whole model on CUDA only"
+    )
 
     timed: dict[str, Case] = {}
     for name, cfg in configs.items():
-        if mode == "eager" or name == "moe":
-            timed[name] = eager[name]
-        else:
-            timed[name] = compiled.get(name) or _case(name, cfg, batch, dev, compiled=True)
+        case = eager[name]
+        if kinds and _mode_name(case.model, kinds) != "eager":
+            case = _case(name, cfg, batch, dev, compiled=kinds)
+        timed[name] = case
     # listed so that the pairs compared are neighbours in every round
     order = [reference, timed["dense"], timed["xmod_s4_c0125"], timed["dense_same_params"],
              timed["mod"], timed["xmod_s8_c0125"], timed["moe"]]
-    if mode == "compiled":
+    mode = timed["dense"].mode
+    if mode != "eager":
         order.insert(0, eager["dense"])  # for the eager-vs-eager reference figure
         eager["dense"].times.clear()
 
     # --- training steps, all models interleaved ----------------------------------
     deadline = None if budget is None else t_start + budget["steps"]
-    say(f"timing up to {reps} interleaved rounds of {len(order)} training steps ({mode})")
+    say(f"timing up to {reps} interleaved rounds of {len(order)} training steps")
     peak_bf16, peak_fp32 = _interleave(order, reps, dev, warmup=1, peak_n=peak_n,
                                        deadline=deadline)
     result["matmul_peak_gflops"] = {
@@ -614,13 +651,13 @@ def run_bench(
             "dense": flops.count(same.cfg).params_total,
             "xmod": flops.count(xmod.cfg).params_total,
         },
-        "mode": mode,
+        "modes": {"dense": same.mode, "xmod": xmod.mode},
     }
     result["xmod_vs_dense_flop_matched"] = {
         "time_ratio": _ratios(xmod, dense),
         "flop_ratio": xmod.flops_per_token / dense.flops_per_token,
         "params_ratio": flops.count(xmod.cfg).params_total / flops.count(dense.cfg).params_total,
-        "mode": mode,
+        "modes": {"dense": dense.mode, "xmod": xmod.mode},
     }
     result["reference_gpt"] = {
         **_step_figures(reference, peak_bf16),
@@ -629,7 +666,7 @@ def run_bench(
         "what": "xmodlm.reference_gpt.ReferenceGPT, eager: the dense shape written plainly"
         " (separate q/k/v/gate/up, autograd norm and rotary, plain AdamW)",
     }
-    if mode == "compiled":
+    if mode != "eager":
         result["reference_gpt"]["dense_vs_reference_eager"] = _ratios(reference, eager["dense"])
     say("profiling the routing overhead of an (eager) X-MoD step")
     result["routing_overhead"] = routing_overhead(eager["xmod_s4_c0125"], dev)
@@ -642,7 +679,7 @@ def run_bench(
         result["decode"] = decode(dense_m, xmod_m, quick)
     else:
         result["decode"] = {"skipped": "include_decode=False"}
-    del eager, compiled, timed, order, reference, dense, xmod, same
+    del eager, timed, order, reference, dense, xmod, same
     if include_law:
         say("law fit")
         result["law_fit_s"] = law_fit(quick)

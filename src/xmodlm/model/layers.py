@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -153,14 +152,6 @@ class _RotaryQKVFn(torch.autograd.Function):
         return torch.stack(grads, 2), None, None
 
 
-# The CPU flash-attention kernel's backward has a fixed cost of several ms (about
-# 9 ms for 4 x 8 heads x 128 tokens on this project's 2-core CPUs, 6x its
-# forward) that SDPA's math backend does not pay; up to about 200 tokens the math
-# backend is faster forward + backward, beyond it flash is (docs/benchmarks.md).
-# Sparse blocks run attention on k = c T tokens, so this is their common case.
-CPU_MATH_SDPA_MAX_LEN = 192
-
-
 class Attention(nn.Module):
     """Multi-head causal self-attention over whatever tokens it is given.
 
@@ -197,12 +188,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Causal attention; ``mask_BTT`` (True = may attend) replaces plain causality."""
         q, k, v = self.project_qkv(x_BTD, cos, sin)
-        mask = None if mask_BTT is None else mask_BTT.unsqueeze(1)
-        if q.device.type == "cpu" and q.shape[-2] <= CPU_MATH_SDPA_MAX_LEN:
-            with sdpa_kernel(SDPBackend.MATH):
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        if mask_BTT is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BTT.unsqueeze(1))
         return self.output(y)
 
 
