@@ -45,7 +45,7 @@ from torch import nn
 
 from xmodlm import flops
 from xmodlm.config import ModelConfig, load_config
-from xmodlm.hardware import environment_record, resolve_device
+from xmodlm.hardware import environment_record, measure_matmul_gflops, resolve_device
 from xmodlm.model import Transformer
 from xmodlm.reference_gpt import ReferenceGPT, reference_optimizer
 from xmodlm.train.optim import build_optimizer
@@ -86,21 +86,6 @@ def _sync(device: torch.device) -> None:
 
 def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _matmul_gflops(dtype: torch.dtype, device: torch.device, n: int, tries: int = 3) -> float:
-    """Best of ``tries`` n x n matmuls, in GFLOP/s (one probe; rounds repeat it)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    torch.mm(a, b)
-    _sync(device)
-    best = float("inf")
-    for _ in range(tries):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
 
 
 def retain_freed_memory() -> str | None:
@@ -308,10 +293,10 @@ def _interleave(
     peak_fp32: list[float] = []
     for r in range(reps):
         order = cases if r % 2 == 0 else cases[::-1]
-        peak_bf16.append(_matmul_gflops(torch.bfloat16, device, peak_n))
+        peak_bf16.append(measure_matmul_gflops(torch.bfloat16, device, peak_n, tries=3))
         for case in order:
             case.times.append(_timed(case, device))
-        peak_fp32.append(_matmul_gflops(torch.float32, device, peak_n))
+        peak_fp32.append(measure_matmul_gflops(torch.float32, device, peak_n, tries=3))
         if deadline is not None and r + 1 >= min_reps and time.perf_counter() > deadline:
             break
     return peak_bf16, peak_fp32

@@ -39,25 +39,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def measure_matmul_gflops(
+    dtype: torch.dtype, device: torch.device, n: int, tries: int, warmup: int = 1
+) -> float:
+    """Best of ``tries`` timed n x n matmuls after ``warmup`` untimed ones, in GFLOP/s."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(warmup):
+        torch.mm(a, b)
+    _sync(device)
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
 @functools.lru_cache(maxsize=8)
 def matmul_peak_gflops(dtype: str = "bf16", device: str = "cpu", n: int = 1024) -> float:
     """Best-of-several n x n matmul throughput in GFLOP/s (cached per process)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         n = max(n, 8192)
-    a = torch.randn(n, n, device=dev, dtype=_DTYPES[dtype])
-    b = torch.randn(n, n, device=dev, dtype=_DTYPES[dtype])
-    for _ in range(3):
-        torch.mm(a, b)
-    _sync(dev)
-    best = float("inf")
-    reps = 10 if dev.type == "cuda" else 5
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        _sync(dev)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+    tries = 10 if dev.type == "cuda" else 5
+    return measure_matmul_gflops(_DTYPES[dtype], dev, n, tries=tries, warmup=3)
 
 
 def _git_commit() -> str | None:
