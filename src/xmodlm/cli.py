@@ -248,8 +248,54 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"loss top-k {result['val_loss_topk']:.4f}  causal {result['val_loss_causal']:.4f}"
               f"  bpb {result['val_bpb']:.4f}  agreement {result['routing_agreement']}")
         for name, task in result["tasks"].items():
-            print(f"{name}: {task['accuracy']:.3f} on {task['items']} items"
-                  f" (chance {task['chance']})")
+            lo, hi = task["ci95"]
+            print(f"{name}: {task['accuracy']:.3f} [95% {lo:.3f}-{hi:.3f}] on {task['items']}"
+                  f" items (chance {task['chance']})")
+    return 0
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> int:
+    try:
+        from xmodlm.eval.harness import run_harness
+    except ImportError as err:
+        raise UserError(f"{err}") from None
+    from xmodlm.fileio import atomic_open
+
+    if args.limit is not None and args.limit <= 0:
+        raise UserError(f"--limit must be positive (a count, or a fraction below 1), got {args.limit}")
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    out = run_harness(
+        args.run_dir,
+        [t.strip() for t in args.tasks.split(",")],
+        num_fewshot=args.num_fewshot,
+        limit=limit,
+        batch_size=args.batch_size,
+        device=args.device,
+        include_path=args.include_path,
+        step=args.step,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+    record = {
+        "run_dir": args.run_dir,
+        "results": out["results"],
+        "n_shot": out.get("n-shot", {}),
+        "n_samples": out.get("n-samples", {}),
+        "versions": out.get("versions", {}),
+    }
+    if args.out:
+        with atomic_open(args.out, "w") as f:
+            json.dump(record, f, indent=2, default=_json_default)
+            f.write("\n")
+    if args.json:
+        _print_json(record)
+    else:
+        for task, metrics in out["results"].items():
+            shown = "  ".join(
+                f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()
+                if isinstance(v, float) and "_stderr" not in k
+            )
+            print(f"{task}: {shown}")
     return 0
 
 
@@ -356,6 +402,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser(
+        "lm-eval", help="lm-evaluation-harness tasks on a run (needs the 'eval' extra)"
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--tasks", required=True,
+                   help="comma-separated harness task names; offline: xmod_cloze,"
+                        "xmod_minimal_pairs,xmod_cloze_gen,xmod_heldout")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--limit", type=float, default=None,
+                   help="at most N documents per task (or a fraction if below 1)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--include-path", default=None, help="a directory of extra task YAMLs")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default newest)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default=None, help="also write the JSON record here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_lm_eval)
 
     p = sub.add_parser("show-routing", help="picture of which tokens the sparse blocks took")
     p.add_argument("run_dir")

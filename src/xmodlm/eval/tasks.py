@@ -16,6 +16,7 @@ Items are a pure function of (documents, seed, max_items) and are saved as JSONL
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from collections import Counter
@@ -27,6 +28,8 @@ import torch
 
 from xmodlm.data.tokenizer import Tokenizer
 from xmodlm.errors import UserError
+from xmodlm.eval.scoring import rolling_logprob
+from xmodlm.fileio import atomic_open
 from xmodlm.model import Transformer
 
 TASKS = ("cloze", "minimal_pairs")
@@ -222,15 +225,16 @@ def load_or_build_items(
             " prepare more held-out data"
         )
     items_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(it) + "\n" for it in items), encoding="utf-8")
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write("".join(json.dumps(it) + "\n" for it in items))
+    with atomic_open(meta_path, "w") as f:  # written last: it marks the items complete
+        f.write(json.dumps(meta, indent=2) + "\n")
     return items
 
 
 # ---------------------------------------------------------------- scoring
 
 
-@torch.no_grad()
 def sequence_logprobs(
     model: Transformer,
     tok: Tokenizer,
@@ -240,30 +244,20 @@ def sequence_logprobs(
 ) -> list[float]:
     """Total log-likelihood (nats) of each text after ``<|endoftext|>``, causal routing.
 
-    Texts longer than the context keep their last ``context`` predicted tokens.
-    Right padding does not change the real positions: causal attention and causal
-    routing both only look backwards.
+    Any length: texts longer than the context are scored in windows
+    (:func:`xmodlm.eval.scoring.score_continuations`).
     """
-    ctx = model.cfg.context
-    seqs = [([tok.eot_id] + tok.encode(t))[-(ctx + 1):] for t in texts]
-    out: list[float] = [0.0] * len(seqs)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    for start in range(0, len(order), batch_size):
-        idx = order[start: start + batch_size]
-        width = max(len(seqs[i]) for i in idx)
-        x = torch.full((len(idx), width), tok.eot_id, dtype=torch.long)
-        mask = torch.zeros(len(idx), width - 1)
-        for row, i in enumerate(idx):
-            s = seqs[i]
-            x[row, : len(s)] = torch.tensor(s)
-            mask[row, : len(s) - 1] = 1
-        x = x.to(device)
-        logits = model(x[:, :-1], routing_mode="causal").logits.float()
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, x[:, 1:, None]).squeeze(-1)
-        totals = (logp.cpu() * mask).sum(1)
-        for row, i in enumerate(idx):
-            out[i] = float(totals[row])
-    return out
+    return rolling_logprob(model, tok.encode_batch(list(texts)), tok.eot_id, device, batch_size)
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of an accuracy: honest at small n and near 0 or 1."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def score_task(
@@ -285,7 +279,8 @@ def score_task(
             pos += n
             correct += int(max(range(n), key=lambda j: s[j]) == it["answer"])
             chance += 1.0 / n
-        return {"accuracy": correct / len(items), "items": len(items), "chance": chance / len(items)}
+        return {"accuracy": correct / len(items), "ci95": wilson_interval(correct, len(items)),
+                "items": len(items), "chance": chance / len(items)}
     texts = [t for it in items for t in (it["good"], it["bad"])]
     scores = sequence_logprobs(model, tok, texts, device)
     correct = sum(int(scores[2 * i] > scores[2 * i + 1]) for i in range(len(items)))
@@ -294,6 +289,7 @@ def score_task(
         by_kind.setdefault(it["kind"], []).append(int(scores[2 * i] > scores[2 * i + 1]))
     return {
         "accuracy": correct / len(items),
+        "ci95": wilson_interval(correct, len(items)),
         "items": len(items),
         "chance": CHANCE[task],
         "by_kind": {k: {"accuracy": sum(v) / len(v), "items": len(v)} for k, v in sorted(by_kind.items())},

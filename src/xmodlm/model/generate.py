@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -330,6 +330,7 @@ def generate(
     eot_id: int | None = None,
     *,
     vocab_limit: int | None = None,
+    stop: Callable[[int, list[int]], bool] | None = None,
 ) -> list[list[int]]:
     """Continue every prompt (a list of token ids) by up to ``max_new_tokens`` tokens.
 
@@ -340,7 +341,9 @@ def generate(
     after ``max_new_tokens``, or when prompt plus output reach the context.
     ``temperature`` 0 is greedy. ``seed`` makes sampling reproducible (None:
     torch's global generator). ``vocab_limit``: never sample ids at or above it
-    (a tokenizer smaller than the model's vocabulary).
+    (a tokenizer smaller than the model's vocabulary). ``stop(row, new_tokens)``,
+    called after each new token, ends that row early when it returns True (stop
+    strings: the caller decodes and looks).
     """
     _check_prompts(model, prompts)
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
@@ -361,7 +364,8 @@ def generate(
         keep = []
         for i, (row, tok) in enumerate(zip(rows, tok_B.tolist(), strict=True)):
             out[row].append(tok)
-            if tok != eot_id and len(out[row]) < budgets[row]:
+            done = tok == eot_id or len(out[row]) >= budgets[row]
+            if not done and (stop is None or not stop(row, out[row])):
                 keep.append(i)
         if not keep:
             return out
