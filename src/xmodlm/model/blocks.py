@@ -8,6 +8,7 @@ so the residual is counted exactly once either way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,24 @@ class Block(nn.Module):
         """Branch output f = block(x) - x, and the MLP's auxiliary losses (MoE only)."""
         h = self.attn(self.norm1(x_BTD, matmul_dtype(x_BTD)), cos, sin, mask_BTT)
         return self.mlp_branch(x_BTD + h, h)
+
+    def branch_with(
+        self,
+        x_BTD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The branch with attention supplied by the caller: (f, k, v).
+
+        ``attend(q, k, v)`` gets this block's rotated queries, keys and values
+        (B, H, T, hd) and returns the attention output; incremental decoding uses it
+        to attend over cached keys, and stores the returned ``k``, ``v``.
+        """
+        q, k, v = self.attn.project_qkv(self.norm1(x_BTD, matmul_dtype(x_BTD)), cos, sin)
+        h = self.attn.output(attend(q, k, v))
+        f, _ = self.mlp_branch(x_BTD + h, h)
+        return f, k, v
 
     def mlp_branch(
         self, x_BTD: torch.Tensor, h: torch.Tensor

@@ -130,10 +130,9 @@ class Decoder:
             if isinstance(block, RoutedBlock):
                 x = self._prefill_sparse(block, cache, x, valid_BT)
             else:
-                blk: Block = block.block
-                q, k, v = blk.attn.project_qkv(blk.norm1(x), cos, sin)
-                h = blk.attn.output(_sdpa(q, k, v, None, causal=True))
-                f, _ = blk.mlp_branch(x + h, h)
+                f, k, v = block.block.branch_with(
+                    x, cos, sin, lambda q, k, v: _sdpa(q, k, v, None, causal=True)
+                )
                 x = x + f
                 cache.prefill(k, v, pos_T.expand(self.batch, T), lens, lens_B)
         self.seq_len.copy_(lens_B)
@@ -165,12 +164,11 @@ class Decoder:
             eye_KK = torch.eye(kmax, dtype=torch.bool, device=x.device)
             # padding queries attend to themselves only (their output is zeroed below)
             mask = ((causal_KK & valid_BK.unsqueeze(1)) | eye_KK).unsqueeze(1)
-        blk = block.block
         x_BKD = routing.gather_tokens(x, idx_BK)
         cos, sin = self.model.rope(idx_BK)  # right padding: position = index
-        q, k, v = blk.attn.project_qkv(blk.norm1(x_BKD), cos, sin)
-        h = blk.attn.output(_sdpa(q, k, v, mask, causal=True))
-        f_BKD, _ = blk.mlp_branch(x_BKD + h, h)
+        f_BKD, k, v = block.block.branch_with(
+            x_BKD, cos, sin, lambda q, k, v: _sdpa(q, k, v, mask, causal=True)
+        )
         g_BK = block.gate(torch.gather(r_BT, 1, idx_BK)) * valid_BK
         x = routing.scatter_add_tokens(x, idx_BK, g_BK.unsqueeze(-1) * f_BKD)
         cache.prefill(k, v, idx_BK, counts, counts_B)
@@ -226,11 +224,11 @@ class Decoder:
         rows: list[int] | None = None,
         rows_R: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        q, k, v = blk.attn.project_qkv(blk.norm1(x), cos, sin)
-        keys, values, mask = cache.step(k, v, pos_B, rows, rows_R)
-        h = blk.attn.output(_sdpa(q, keys, values, mask, causal=False))
-        f, _ = blk.mlp_branch(x + h, h)
-        return f
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values, mask = cache.step(k, v, pos_B, rows, rows_R)
+            return _sdpa(q, keys, values, mask, causal=False)
+
+        return blk.branch_with(x, cos, sin, attend)[0]
 
     @torch.inference_mode()
     def keep(self, rows: list[int]) -> None:
