@@ -18,7 +18,7 @@ eager (dense blocks on the dense model, routed blocks on the X-MoD model) and
 then compiles, in every model, exactly the block kinds for which compiled was
 faster (median of the paired ratios); the ``compile`` section and every
 ``train_step`` entry say which. On a CPU the process keeps
-freed memory for reuse (:func:`retain_freed_memory`), as CUDA's caching
+freed memory for reuse (:func:`xmodlm.hardware.retain_freed_memory`), as CUDA's caching
 allocator does.
 
 MFU is model training FLOPs (``flops.count``: 3 x forward, matmuls only, as
@@ -31,7 +31,6 @@ method, the machine and the figures measured on it are in ``docs/benchmarks.md``
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import statistics
@@ -45,7 +44,12 @@ from torch import nn
 
 from xmodlm import flops
 from xmodlm.config import ModelConfig, load_config
-from xmodlm.hardware import environment_record, measure_matmul_gflops, resolve_device
+from xmodlm.hardware import (
+    environment_record,
+    measure_matmul_gflops,
+    resolve_device,
+    retain_freed_memory,
+)
 from xmodlm.model import Transformer
 from xmodlm.reference_gpt import ReferenceGPT, reference_optimizer
 from xmodlm.train.optim import build_optimizer
@@ -86,36 +90,6 @@ def _sync(device: torch.device) -> None:
 
 def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def retain_freed_memory() -> str | None:
-    """Make glibc keep freed memory for reuse instead of returning it to the OS.
-
-    By default glibc serves every allocation above its mmap threshold (at most
-    32 MiB) with a fresh ``mmap`` and unmaps it on free, and trims the heap top;
-    a training step that allocates and frees the same large activations each
-    step then page-faults them all in again, every step. On this project's VMs
-    that cost about 9% of a bench-dense step (0.3-0.5 GiB of faults per step)
-    and 20% of a 12-block dense step (1.2 GiB), and nothing for X-MoD, whose
-    tensors are small. Raising the mmap threshold to 1 GiB and the trim
-    threshold to 2 GiB makes the heap behave like the caching allocator CUDA
-    uses. Process-wide; returns a description, or None where it does not apply
-    (not glibc Linux).
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc <malloc.h>
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = (
-            libc.mallopt(m_mmap_threshold, 1 << 30) == 1
-            and libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
-        )
-    except (OSError, AttributeError):
-        return None
-    if not ok:
-        return None
-    return "glibc mallopt: M_MMAP_THRESHOLD 1 GiB, M_TRIM_THRESHOLD 2 GiB (freed memory reused)"
 
 
 # --- the models ----------------------------------------------------------------------

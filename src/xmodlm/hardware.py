@@ -6,6 +6,7 @@ datasheet number, so CPU and GPU figures mean the same thing.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import platform
@@ -120,3 +121,33 @@ def environment_record() -> dict[str, Any]:
             "version": torch.version.cuda,
         }
     return record
+
+
+def retain_freed_memory() -> str | None:
+    """Make glibc keep freed memory for reuse instead of returning it to the OS.
+
+    By default glibc serves every allocation above its mmap threshold (at most
+    32 MiB) with a fresh ``mmap`` and unmaps it on free, and trims the heap top;
+    a training step that allocates and frees the same large activations each
+    step then page-faults them all in again, every step. On this project's VMs
+    that cost about 9% of a bench-dense step (0.3-0.5 GiB of faults per step)
+    and 20% of a 12-block dense step (1.2 GiB), and nothing for X-MoD, whose
+    tensors are small. Raising the mmap threshold to 1 GiB and the trim
+    threshold to 2 GiB makes the heap behave like the caching allocator CUDA
+    uses. Process-wide; returns a description, or None where it does not apply
+    (not glibc Linux).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc <malloc.h>
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = (
+            libc.mallopt(m_mmap_threshold, 1 << 30) == 1
+            and libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
+        )
+    except (OSError, AttributeError):
+        return None
+    if not ok:
+        return None
+    return "glibc mallopt: M_MMAP_THRESHOLD 1 GiB, M_TRIM_THRESHOLD 2 GiB (freed memory reused)"

@@ -34,7 +34,13 @@ from xmodlm import flops
 from xmodlm.config import Config, load_config
 from xmodlm.data.batches import bits_per_byte, get_batch, load_manifest, load_split, val_batches
 from xmodlm.errors import UserError
-from xmodlm.hardware import autocast_dtype, environment_record, matmul_peak_gflops, resolve_device
+from xmodlm.hardware import (
+    autocast_dtype,
+    environment_record,
+    matmul_peak_gflops,
+    resolve_device,
+    retain_freed_memory,
+)
 from xmodlm.model import Transformer
 from xmodlm.train import checkpoint as ckpt_io
 from xmodlm.train.loggers import MetricLogger
@@ -252,6 +258,8 @@ def train(
     ddp = setup_distributed(t.device)
     if device.type == "cuda":
         device = torch.device("cuda", ddp.local_rank)
+    # on CPU, keep freed activations for the next step instead of page-faulting them in
+    allocator = retain_freed_memory() if device.type == "cpu" else "CUDA caching allocator"
     budget = resolve_budget(cfg, ddp.world_size)
     manifest = load_manifest(cfg.data.dir)
     _check_vocab(cfg, manifest)
@@ -266,7 +274,7 @@ def train(
         tok = Path(cfg.data.dir) / "tokenizer.json"
         if tok.is_file():
             shutil.copyfile(tok, run / "tokenizer.json")
-        ckpt_io.atomic_write_json(run / "env.json", environment_record())
+        ckpt_io.atomic_write_json(run / "env.json", {**environment_record(), "allocator": allocator})
 
     torch.manual_seed(t.seed)
     model = Transformer(cfg.model).to(device)
