@@ -293,9 +293,14 @@ def test_recommend_warns_on_extrapolation(sparse_helps: LawFit) -> None:
     assert "compute 1e+22" in text and "context 8192" in text and "active_params" in text
 
 
-def test_recommend_without_a_law_needs_one() -> None:
-    with pytest.raises(UserError, match="--law FIT"):
-        recommend(1e17, 1024, 1e7)
+def test_recommend_uses_the_shipped_law() -> None:
+    """Without --law the shipped micro-law fit answers, says so, and flags extrapolation."""
+    inside = recommend(1e12, 128, 3e5)
+    assert inside["warnings"][0].startswith("no --law given")
+    assert inside["law"]["contexts"] == [128]
+    far = recommend(1e17, 1024, 1e7)
+    assert any("outside the fitted" in w for w in far["warnings"])
+    assert all(c["extrapolated"] for c in far["candidates"])
 
 
 def test_plot_law_writes_pngs(mixed_fit: LawFit, mixed_runs: pd.DataFrame, tmp_path) -> None:

@@ -39,6 +39,11 @@ MAX_WIDTH = 16384
 THRESHOLD = 0.9
 EXTRAPOLATION = 10.0  # warn when compute is more than this factor outside the fitted range
 DEFAULT_FIT = "default_fit.json"
+DEFAULT_FIT_NOTE = (
+    "no --law given: using the shipped law, fitted on the micro-law CPU sweep"
+    " (results/micro-law: T=128, N_ae 9e4-9e5, C 3e11-3e12, 54 runs, one seed);"
+    " fit your own sweep for budgets outside that range"
+)
 
 
 def dense_config(
@@ -200,7 +205,8 @@ def recommend(
             "active_params": active_params,
             "max_total_params": max_total_params,
         },
-        "warnings": _warnings(fit, compute, int(context), active_params, entries),
+        "warnings": ([DEFAULT_FIT_NOTE] if law is None else [])
+        + _warnings(fit, compute, int(context), active_params, entries),
     }
 
 
