@@ -264,6 +264,7 @@ def test_recommend_picks_sparse_when_the_law_says_so(sparse_helps: LawFit) -> No
         1e17, 1024, 1e7, law=sparse_helps, strides=(1, 2, 4, 8), capacities=(0.125, 0.25, 0.5)
     )
     assert out["answer"].startswith("train X-MoD") and out["best"]["p_beats_dense"] >= 0.9
+    assert out["best"]["p_routing_helps"] >= 0.9
     assert (
         out["best"] is out["candidates"][0] or out["best"]["loss"] >= out["candidates"][0]["loss"]
     )
@@ -285,6 +286,23 @@ def test_recommend_says_dense_when_sparse_hurts() -> None:
     assert out["answer"] == "train dense" and out["best"] is None
     assert "P >= 0.9" in out["reason"]
     assert all(c["p_beats_dense"] < 0.9 for c in out["candidates"])
+
+
+def test_recommend_does_not_credit_routing_with_a_size_change() -> None:
+    """A 3e5-parameter reference is 4 layers deep: S = 2 or 4 candidates miss its FLOPs by
+    +17-50%, and at C = 1e14 that extra size alone beats the reference. The law says
+    routing hurts, so the answer must stay dense and say why."""
+    runs = synthetic_runs(
+        100,
+        true_delta_params={"g_cap": -0.03, "g_ctx": 0.0, "g_int": 0.0},
+        contexts=(1024,),
+        seed=4,
+    )
+    out = recommend(1e14, 1024, 3e5, law=fit_law(runs, form="base", n_boot=N_BOOT, seed=0))
+    bigger = [c for c in out["candidates"] if c["p_beats_dense"] >= 0.9]
+    assert bigger and all(c["flop_mismatch"] > 0.1 for c in bigger)
+    assert all(c["p_routing_helps"] < 0.1 for c in bigger)
+    assert out["answer"] == "train dense" and "FLOP mismatch" in out["reason"]
 
 
 def test_recommend_warns_on_extrapolation(sparse_helps: LawFit) -> None:

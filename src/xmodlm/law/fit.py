@@ -457,6 +457,7 @@ class Prediction:
     terms: dict[str, np.ndarray]  # the delta's named terms, each (n,); zero for dense rows
     ln_point: np.ndarray  # (n,)
     ln_samples: np.ndarray  # (n_boot, n)
+    ln_dense_samples: np.ndarray  # (n_boot, n): the same draws without the delta
     in_range: np.ndarray  # every input inside the fitted ranges
 
 
@@ -485,7 +486,10 @@ def predict_samples(fit: LawFit, frame: pd.DataFrame) -> Prediction:
     context = frame["context"].to_numpy()
     used = _law_contexts(fit, context)
     ln_dense = dense.log_loss_at({t: d.value for t, d in fit.dense.items()}, used, ln_n, ln_d)
-    ln_samples = dense.log_loss_at({t: d.samples for t, d in fit.dense.items()}, used, ln_n, ln_d)
+    ln_dense_samples = dense.log_loss_at(
+        {t: d.samples for t, d in fit.dense.items()}, used, ln_n, ln_d
+    )
+    ln_samples = ln_dense_samples.copy()
     terms = {name: np.zeros(len(frame)) for name in TERMS}
     sparse = frame["is_sparse"].to_numpy()
     ranges = fit.ranges
@@ -504,7 +508,7 @@ def predict_samples(fit: LawFit, frame: pd.DataFrame) -> Prediction:
         in_range[sparse] &= _inside(frame.loc[sparse, "stride"].to_numpy(), ranges["stride"])
         in_range[sparse] &= _inside(frame.loc[sparse, "capacity"].to_numpy(), ranges["capacity"])
     ln_point = ln_dense + sum(terms.values())
-    return Prediction(used, ln_dense, terms, ln_point, ln_samples, in_range)
+    return Prediction(used, ln_dense, terms, ln_point, ln_samples, ln_dense_samples, in_range)
 
 
 def predict(fit: LawFit, rows: pd.DataFrame) -> pd.DataFrame:

@@ -10,10 +10,15 @@
    each model trains on D = C / F_token tokens, so all spend exactly C.
 3. Each candidate's loss is predicted with the law's bootstrap draws. P(beats
    dense) is the share of draws in which the candidate's ln L is below the dense
-   reference's (the draws are paired: one draw is one whole law).
-4. The answer is "train dense" unless some configuration beats dense with
-   P >= ``THRESHOLD`` (0.9); then it is the one with the lowest predicted loss
-   among those.
+   reference's (the draws are paired: one draw is one whole law). P(routing
+   helps) is the share in which the candidate's delta is negative, i.e. it beats
+   the dense law at its *own* N_ae and D.
+4. The answer is "train dense" unless some configuration has both P >=
+   ``THRESHOLD`` (0.9); then it is the one with the lowest predicted loss among
+   those. Both are needed because depth comes in whole multiples of S: a small
+   model's candidate can miss the reference's FLOPs by 10-20%, and a candidate
+   that wins only because it is smaller (more tokens at the same C) is evidence
+   for a smaller dense model, not for routing.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ EXTRAPOLATION = 10.0  # warn when compute is more than this factor outside the f
 DEFAULT_FIT = "default_fit.json"
 DEFAULT_FIT_NOTE = (
     "no --law given: using the shipped law, fitted on the micro-law CPU sweep"
-    " (results/micro-law: T=128, N_ae 9e4-9e5, C 3e11-3e12, 54 runs, one seed);"
+    " (results/micro-law: T=128, N_ae 9e4-9e5, C 3e11-1e13, 72 runs, one seed);"
     " fit your own sweep for budgets outside that range"
 )
 
@@ -159,6 +164,7 @@ def recommend(
     pred = predict_samples(fit, frame)
     ci = interval(np.exp(pred.ln_samples), np.exp(pred.ln_point))
     beats = (pred.ln_samples < pred.ln_samples[:, :1]).mean(axis=0)
+    helps = (pred.ln_samples < pred.ln_dense_samples).mean(axis=0)
     entries = []
     for i, ((cfg, mismatch), k) in enumerate(zip(models, counts, strict=True)):
         entries.append(
@@ -180,11 +186,16 @@ def recommend(
                 "terms": {name: float(t[i]) for name, t in pred.terms.items()},
                 "vs_dense": float(pred.ln_point[i] - pred.ln_point[0]),
                 "p_beats_dense": float(beats[i]) if i else None,
+                "p_routing_helps": float(helps[i]) if i else None,
                 "extrapolated": not bool(pred.in_range[i]),
             }
         )
     dense_entry, candidates = entries[0], sorted(entries[1:], key=lambda e: e["loss"])
-    winners = [e for e in candidates if e["p_beats_dense"] >= threshold]
+    winners = [
+        e
+        for e in candidates
+        if e["p_beats_dense"] >= threshold and e["p_routing_helps"] >= threshold
+    ]
     best = winners[0] if winners else None
     return {
         "answer": _answer(best),
@@ -231,14 +242,26 @@ def _reason(
     if not candidates:
         return "no sparse configuration fits within max_total_params"
     if best is None:
-        top = max(candidates, key=lambda e: e["p_beats_dense"])
-        return (
+        top = max(candidates, key=lambda e: min(e["p_beats_dense"], e["p_routing_helps"]))
+        why = (
             f"no configuration beats dense with P >= {threshold:g}; the most likely,"
-            f" stride {top['stride']} capacity {top['capacity']:g}, does with P = {top['p_beats_dense']:.2f}"
+            f" stride {top['stride']} capacity {top['capacity']:g}, does with"
+            f" P = {min(top['p_beats_dense'], top['p_routing_helps']):.2f}"
         )
+        smaller = [e for e in candidates if e["p_beats_dense"] >= threshold]
+        if smaller:
+            e = smaller[0]
+            why += (
+                f"; stride {e['stride']} capacity {e['capacity']:g} beats the reference"
+                f" (P = {e['p_beats_dense']:.2f}) only through its {e['flop_mismatch']:+.0%} FLOP"
+                f" mismatch, its routing helps with P = {e['p_routing_helps']:.2f}: a dense model"
+                " of its size is the better bet"
+            )
+        return why
     caveat = " (outside the fitted ranges: an extrapolation)" if best["extrapolated"] else ""
     return (
-        f"beats dense with P = {best['p_beats_dense']:.2f} >= {threshold:g}: predicted loss"
+        f"beats dense with P = {best['p_beats_dense']:.2f} >= {threshold:g} (routing helps with"
+        f" P = {best['p_routing_helps']:.2f}): predicted loss"
         f" {best['loss']:.4g} vs {dense['loss']:.4g} for dense{caveat}"
     )
 
