@@ -87,6 +87,41 @@ def test_evaluate_errors(tiny_run: Path, tmp_path: Path) -> None:
         evaluate_run(tiny_run, split="dev", tasks=())
 
 
+def test_evaluate_bad_data_and_mismatched_checkpoint(
+    tiny_run: Path, tiny_data_dir: Path, tmp_path: Path
+) -> None:
+    """A too-short or empty test split and a config that does not fit the weights: one line each."""
+    import shutil
+
+    import numpy as np
+    import yaml
+
+    short = tmp_path / "short"
+    shutil.copytree(tiny_data_dir, short)
+    np.arange(10, dtype=np.uint16).tofile(short / "test.bin")
+    with pytest.raises(UserError, match="holds 10 tokens but manifest.json says"):
+        evaluate_run(tiny_run, data_dir=short, tasks=())
+    manifest = json.loads((short / "manifest.json").read_text())
+    manifest["splits"]["test"]["tokens"] = 10
+    (short / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="fewer than context"):
+        evaluate_run(tiny_run, data_dir=short, tasks=())
+    (short / "test_docs.jsonl").write_text("")
+    shutil.copy(tiny_data_dir / "test.bin", short / "test.bin")
+    shutil.copy(tiny_data_dir / "manifest.json", short / "manifest.json")
+    with pytest.raises(UserError, match="no sentences usable for task 'cloze'"):
+        evaluate_run(tiny_run, data_dir=short, tasks=["cloze"], max_batches=1)
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_run, other)
+    cfg = yaml.safe_load((other / "config.yaml").read_text())
+    cfg["model"]["d_model"] *= 2
+    (other / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(UserError, match="does not match the run's configuration") as err:
+        evaluate_run(other, tasks=())
+    assert "\n" not in str(err.value)
+
+
 def test_show_routing_and_training_plots(tiny_run: Path, tmp_path: Path) -> None:
     from xmodlm.report.routing_plots import plot_training, show_routing
 
