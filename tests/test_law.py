@@ -17,7 +17,7 @@ import pytest
 from xmodlm import flops
 from xmodlm.errors import UserError
 from xmodlm.law import delta, dense, holdout
-from xmodlm.law.fit import LawFit, fit_law, load_fit, predict
+from xmodlm.law.fit import LawFit, fit_law, load_fit, one_se_choice, predict
 from xmodlm.law.recommend import dense_config, recommend
 from xmodlm.law.synthetic import TRUE_DELTA, TRUE_DENSE, synthetic_runs
 from xmodlm.law.table import read_table, validate
@@ -92,11 +92,39 @@ def test_auto_selects_by_heldout_error(mixed_fit: LawFit) -> None:
     assert selection is not None and selection["protocol"] == "leave-cell-out"
     rmse = {name: m["rmse"] for name, m in selection["heldout"].items()}
     assert set(rmse) == set(delta.FORMS)
-    assert mixed_fit.selected == min(rmse, key=rmse.get)
+    assert mixed_fit.selected == "base"  # the truth, and the simplest form
+    assert rmse["base"] <= 1.1 * min(rmse.values())
     held = mixed_fit.metrics["heldout"]
     assert held["rmse"] < 2 * SIGMA and held["n"] == mixed_fit.runs["sparse"]
     assert held["kendall_tau"] > 0.5 and 0 <= held["regret"] < SIGMA
     assert 0.5 < held["ratio"] < 2
+
+
+def _held(err: np.ndarray) -> holdout.HeldOut:
+    rmse = float(np.sqrt(np.mean(err**2)))
+    return holdout.HeldOut(
+        "leave-cell-out", np.arange(len(err)), err, np.zeros(len(err)), {"rmse": rmse}
+    )
+
+
+def test_one_se_rule_prefers_the_simpler_form_only_within_noise() -> None:
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0, 0.02, 60)
+    params = {"base": 3, "scale": 4}
+    rich = _held(noise)
+    close = _held(noise + rng.normal(0, 0.004, 60))  # a hair worse: within one SE
+    chosen, why = one_se_choice({"base": close, "scale": rich}, params)
+    assert chosen == "base" and "within one standard error" in why
+    far = _held(noise + 0.03)  # clearly worse on every run
+    chosen, why = one_se_choice({"base": far, "scale": rich}, params)
+    assert chosen == "scale" and why.startswith("lowest held-out RMSE")
+
+
+def test_auto_picks_a_richer_form_when_the_data_demand_it() -> None:
+    truth = {"g_cap": 0.03, "kappa": 0.5, "g_ctx": 0.01, "g_int": -0.005}
+    runs = synthetic_runs(100, true_delta_form="scale", true_delta_params=truth, seed=0)
+    fit = fit_law(runs, n_boot=20, seed=0)
+    assert fit.selected == "scale", fit.selection["why"]
 
 
 @pytest.mark.parametrize("protocol", ["top-compute", "longest-context"])

@@ -389,6 +389,37 @@ def _fit_deltas(
     return deltas, skipped
 
 
+def one_se_choice(results: dict[str, HeldOut], n_params: dict[str, int]) -> tuple[str, str]:
+    """The simplest form whose held-out error is within one standard error of the best.
+
+    Held-out RMSEs of related forms often differ by less than their noise (the
+    forms nest: every richer form contains ``base``), and picking the raw minimum
+    then ships a form whose extra parameters the data cannot identify. The
+    standard error is that of the paired per-run difference in squared error
+    against the lowest-RMSE form; among the forms within it, the fewest free
+    parameters win, then the lower RMSE. Returns (name, reason).
+    """
+    rmse = {name: r.metrics["rmse"] for name, r in results.items()}
+    best = min(rmse, key=lambda n: (rmse[n], n_params[n]))
+    err_best = (results[best].ln_pred - results[best].ln_obs) ** 2
+    close, gaps = [], {}
+    for name, r in results.items():
+        diff = (r.ln_pred - r.ln_obs) ** 2 - err_best
+        se = float(np.std(diff, ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else 0.0
+        gaps[name] = (float(diff.mean()), se)
+        if diff.mean() <= se:
+            close.append(name)
+    chosen = min(close, key=lambda n: (n_params[n], rmse[n]))
+    listing = ", ".join(f"{n} {rmse[n]:.4g}" for n in sorted(rmse, key=rmse.get))
+    if chosen == best:
+        return chosen, f"lowest held-out RMSE of ln L: {listing}"
+    mean, se = gaps[chosen]
+    return chosen, (
+        f"fewest parameters ({n_params[chosen]}) within one standard error of the lowest"
+        f" held-out RMSE ({best}; MSE gap {mean:.2g} <= SE {se:.2g}): {listing}"
+    )
+
+
 def _select(
     form: str,
     deltas: dict[str, DeltaLaw],
@@ -396,10 +427,10 @@ def _select(
     failed: dict[str, str],
     protocol: str | None,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """The chosen form and why: lowest held-out RMSE; ties go to fewer parameters."""
+    """The chosen form and why (:func:`one_se_choice` on the forms that refitted)."""
     if not deltas:
         return None, None
-    scored = {name: results[name].metrics["rmse"] for name in deltas if name in results}
+    scored = {name: results[name] for name in deltas if name in results}
     if form != "auto":
         selected, why = form, "chosen by the caller (form given)"
     elif len(deltas) == 1:
@@ -410,12 +441,11 @@ def _select(
             f"no delta form could be refitted under holdout {protocol} ({name}: {reason})"
         )
     else:
-        ranked = sorted(scored, key=lambda n: (scored[n], len(FORMS[n].params)))
-        selected = ranked[0]
-        listing = ", ".join(f"{n} {scored[n]:.4g}" for n in ranked)
-        why = f"lowest held-out RMSE of ln L under {protocol}: {listing}"
+        n_free = {name: len(deltas[name].spec.params) - len(deltas[name].fixed) for name in scored}
+        selected, reason = one_se_choice(scored, n_free)
+        why = f"{reason} (holdout {protocol})"
     return selected, {
-        "rule": "lowest held-out RMSE of ln L",
+        "rule": "one standard error: the simplest form within 1 SE of the lowest held-out MSE of ln L",
         "protocol": protocol,
         "why": why,
         "heldout": {name: r.metrics for name, r in results.items()},

@@ -99,6 +99,7 @@ class HeldOut:
     protocol: str
     rows: np.ndarray  # positions of the held-out runs in the frame
     ln_pred: np.ndarray
+    ln_obs: np.ndarray
     metrics: dict[str, float | int | None]
 
 
@@ -189,5 +190,5 @@ def evaluate(
             continue
         rmse_fit = float(np.sqrt(np.mean(np.concatenate(in_fit[name]) ** 2)))
         metrics = score(frame.iloc[held], ln_l[held], pred[name][held], rmse_fit)
-        results[name] = HeldOut(protocol, held, pred[name][held], metrics)
+        results[name] = HeldOut(protocol, held, pred[name][held], ln_l[held], metrics)
     return results, failed
