@@ -2,8 +2,9 @@
 
 ``fit_law``: validate the runs; fit the dense law per context with bootstrap
 intervals; fit every delta form on the X-MoD runs with bootstrap intervals;
-refit all of them under a held-out protocol; keep the form with the lowest
-held-out RMSE of ln L (never the best training fit).
+refit all of them under a held-out protocol; keep the simplest form within one
+standard error of the lowest held-out error of ln L (never the best training
+fit; see :func:`one_se_choice`).
 
 The bootstrap is stratified and paired. Replicate b resamples, with
 replacement, the dense runs of each context and the X-MoD runs (each kind keeps
