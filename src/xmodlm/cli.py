@@ -236,6 +236,20 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from xmodlm.report.sweep_report import sweep_report
+
+    results = Path(args.results)
+    if results.is_dir():
+        results = results / "results.csv"
+    report = sweep_report(results, args.out, law=args.law)
+    if args.json:
+        _print_json(report)
+    else:
+        print((Path(args.out) / "report.md").read_text(), end="")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from xmodlm.eval import evaluate_run
 
@@ -459,6 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--law", default=None, help="fit JSON (default: the shipped fit)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_recommend)
+
+    p = sub.add_parser("report", help="written report of a sweep: sparse vs FLOP-matched dense, law")
+    p.add_argument("results", help="results table (CSV/Parquet) or a sweep directory")
+    p.add_argument("--out", required=True, help="directory for report.md, report.json, comparisons.csv")
+    p.add_argument("--law", default=None, help="fit JSON to summarise and plot with the runs")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("bench", help="speed figures, measured side by side in one process")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

@@ -1,0 +1,344 @@
+"""``xmod report``: the written report of a sweep, computed from its results table.
+
+Every figure in a sweep's write-up should come from one command, so that it can
+be recomputed from the committed table rather than trusted. The report answers
+the questions a reader asks first, in this order:
+
+1. What ran: runs per family, compute tiers, widths, contexts, seeds, and runs
+   left out (not finished).
+2. Sparse vs dense at equal compute: each non-dense run against its FLOP-matched
+   dense reference, the dense run of the same context, width and seed whose
+   compute is within ``MATCH_TOLERANCE`` in ln C (the sweep gives both the same
+   budget; only whole steps separate them). Per family and per compute tier:
+   how many lose, and the median, best and worst difference in nats.
+3. The dense ladder: at each tier, which dense width is best. A best width at the
+   edge of the tested range means the compute-optimal size was not bracketed and
+   a dense law fitted on it is an extrapolation.
+4. Routing at inference: the causal-minus-top-k loss gap of routed runs.
+5. Optionally, the law: selected delta form, its parameters with 95% intervals,
+   held-out metrics, and the law's plots.
+
+Outputs ``report.md``, ``comparisons.csv`` (one row per matched non-dense run)
+and ``report.json`` (the same numbers), all written atomically.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from xmodlm.errors import UserError
+from xmodlm.law.table import FINISHED, read_table
+from xmodlm.train.checkpoint import atomic_write_json, atomic_write_text
+
+REQUIRED = ("family", "width", "context", "val_loss")
+MATCH_TOLERANCE = 0.1  # |ln C_run - ln C_dense| for two runs of one budget
+TIER_GAP = 0.15  # decades between distinct compute budgets
+CONFIG_KEYS = ("family", "stride", "capacity", "gating", "balance_coef")
+
+
+def _config_label(key: tuple[Any, ...]) -> str:
+    family, stride, capacity, gating, balance = key
+    if family == "moe":
+        return "moe"
+    return f"{family} S={stride} c={capacity:g} {gating} bal={balance:g}"
+
+
+def _load(path: str | Path) -> tuple[pd.DataFrame, int]:
+    """The finished runs of a results table, with a numeric compute column."""
+    df = read_table(path)
+    missing = [c for c in REQUIRED if c not in df.columns]
+    if "compute" not in df.columns and not {"flops_per_token", "tokens"} <= set(df.columns):
+        missing.append("compute (or flops_per_token and tokens)")
+    if missing:
+        raise UserError(
+            f"results table {str(path)!r} lacks column(s) {', '.join(missing)};"
+            " `xmod sweep` writes all of them"
+        )
+    left_out = 0
+    if "status" in df.columns:
+        done = df["status"].astype(str).str.strip().str.lower().isin(FINISHED)
+        left_out = int((~done).sum())
+        df = df[done]
+    df = df.reset_index(drop=True).copy()
+    if "compute" not in df.columns:
+        df["compute"] = df["flops_per_token"] * df["tokens"]
+    for col in ("width", "context", "val_loss", "compute"):
+        df[col] = pd.to_numeric(df[col], errors="coerce")
+    bad = ~(np.isfinite(df["val_loss"]) & (df["compute"] > 0) & (df["width"] > 0))
+    if bad.any():
+        row = int(bad.idxmax())
+        raise UserError(
+            f"results table {str(path)!r} row {row}: val_loss, compute and width must be"
+            " positive finite numbers"
+        )
+    if df.empty:
+        raise UserError(f"results table {str(path)!r} has no finished runs")
+    df["family"] = df["family"].astype(str).str.strip().str.lower()
+    if "seed" not in df.columns:
+        df["seed"] = 0
+    for col, default in (("stride", 1), ("capacity", 1.0), ("gating", "-"), ("balance_coef", 0.0)):
+        if col not in df.columns:
+            df[col] = default
+    df["tier"] = _tiers(df["compute"].to_numpy(float))
+    return df, left_out
+
+
+def _tiers(compute: np.ndarray) -> np.ndarray:
+    """Budget of each run: the median compute of its cluster of nearby computes (2 digits)."""
+    logc = np.log10(compute)
+    order = np.argsort(logc)
+    cluster = np.zeros(len(logc), dtype=int)
+    for prev, cur in zip(order[:-1], order[1:], strict=True):
+        cluster[cur] = cluster[prev] + (logc[cur] - logc[prev] > TIER_GAP)
+    centers = pd.Series(logc).groupby(cluster).transform("median").to_numpy()
+    return np.array([float(f"{10**c:.2g}") for c in centers])
+
+
+def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """One row per non-dense run with its FLOP-matched dense reference; and the unmatched count."""
+    dense = df[df["family"] == "dense"]
+    rows, unmatched = [], 0
+    for _, run in df[df["family"] != "dense"].iterrows():
+        same = dense[
+            (dense["context"] == run["context"])
+            & (dense["width"] == run["width"])
+            & (dense["seed"] == run["seed"])
+        ]
+        gap = np.abs(np.log(same["compute"].to_numpy(float) / run["compute"]))
+        if not len(same) or gap.min() > MATCH_TOLERANCE:
+            unmatched += 1
+            continue
+        ref = same.iloc[int(gap.argmin())]
+        rows.append(
+            {
+                "tier": run["tier"],
+                "family": run["family"],
+                "context": int(run["context"]),
+                "width": int(run["width"]),
+                "seed": run["seed"],
+                "stride": run["stride"],
+                "capacity": run["capacity"],
+                "gating": run["gating"],
+                "balance_coef": float(run["balance_coef"]),
+                "val_loss": run["val_loss"],
+                "dense_val_loss": ref["val_loss"],
+                "delta": run["val_loss"] - ref["val_loss"],
+                "compute_ratio": run["compute"] / ref["compute"],
+            }
+        )
+    return pd.DataFrame(rows), unmatched
+
+
+def _summary(delta: pd.Series) -> dict[str, Any]:
+    return {
+        "n": len(delta),
+        "lose": int((delta > 0).sum()),
+        "median": float(delta.median()),
+        "best": float(delta.min()),
+        "worst": float(delta.max()),
+    }
+
+
+def _dense_ladder(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Best dense width per (context, tier), and whether it sits at the tested edge."""
+    out = []
+    dense = df[df["family"] == "dense"]
+    for (context, tier), group in dense.groupby(["context", "tier"]):
+        widths = sorted(group["width"].unique())
+        best = group.loc[group["val_loss"].idxmin()]
+        edge = len(widths) > 1 and best["width"] in (widths[0], widths[-1])
+        out.append(
+            {
+                "context": int(context),
+                "tier": float(tier),
+                "widths": [int(w) for w in widths],
+                "best_width": int(best["width"]),
+                "best_loss": float(best["val_loss"]),
+                "at_edge": bool(edge),
+            }
+        )
+    return out
+
+
+def _law_section(fit_path: str | Path) -> dict[str, Any]:
+    from xmodlm.law.fit import load_fit
+
+    fit = load_fit(fit_path)
+    data = fit.to_json()
+    section: dict[str, Any] = {"path": str(fit_path), "runs": data["runs"]}
+    section["dense"] = [
+        {"context": d["context"], "params": {k: v["value"] for k, v in d["params"].items()}}
+        for d in data["dense"]
+    ]
+    if fit.delta is not None:
+        form = data["delta"]["forms"][fit.selected]
+        section["selected"] = fit.selected
+        section["why"] = (fit.selection or {}).get("why", "")
+        section["params"] = {
+            k: {"value": v["value"], "ci": v["ci"]}
+            for k, v in form["params"].items()
+            if not v.get("fixed")
+        }
+    section["metrics"] = data["metrics"]
+    return section
+
+
+def sweep_report(
+    results: str | Path, out_dir: str | Path, law: str | Path | None = None
+) -> dict[str, Any]:
+    """Write ``report.md``, ``comparisons.csv`` and ``report.json`` for ``results``; return the JSON."""
+    df, left_out = _load(results)
+    comparisons, unmatched = match_to_dense(df)
+    report: dict[str, Any] = {
+        "results": str(results),
+        "runs": {
+            "finished": len(df),
+            "left_out": left_out,
+            "by_family": {k: int(v) for k, v in df["family"].value_counts().sort_index().items()},
+        },
+        "tiers": sorted(float(t) for t in df["tier"].unique()),
+        "widths": sorted(int(w) for w in df["width"].unique()),
+        "contexts": sorted(int(c) for c in df["context"].unique()),
+        "seeds": sorted(int(s) for s in pd.to_numeric(df["seed"]).unique()),
+        "unmatched": unmatched,
+        "vs_dense": {},
+        "vs_dense_by_tier": {},
+        "vs_dense_by_config": {},
+        "dense_ladder": _dense_ladder(df),
+        "causal_gap": None,
+        "law": None,
+    }
+    if not comparisons.empty:
+        report["vs_dense"] = {
+            fam: _summary(g["delta"]) for fam, g in comparisons.groupby("family")
+        }
+        report["vs_dense_by_tier"] = {
+            f"{tier:g}": _summary(g["delta"]) for tier, g in comparisons.groupby("tier")
+        }
+        report["vs_dense_by_config"] = {
+            _config_label(key): _summary(g["delta"])
+            for key, g in comparisons.groupby(list(CONFIG_KEYS), dropna=False)
+        }
+    if "val_loss_causal" in df.columns:
+        routed = df[(df["stride"] > 1) & (df["capacity"] < 1)]
+        gap = pd.to_numeric(routed["val_loss_causal"], errors="coerce") - routed["val_loss"]
+        gap = gap[np.isfinite(gap)]
+        if len(gap):
+            report["causal_gap"] = {
+                "n": len(gap),
+                "median": float(gap.median()),
+                "min": float(gap.min()),
+                "max": float(gap.max()),
+            }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if law is not None:
+        report["law"] = _law_section(law)
+        from xmodlm.law.fit import load_fit
+        from xmodlm.report.law_plots import plot_law
+
+        plots = plot_law(load_fit(law), read_table(results), out / "plots")
+        report["law"]["plots"] = [str(p.relative_to(out)) for p in plots]
+    atomic_write_text(out / "comparisons.csv", comparisons.to_csv(index=False))
+    atomic_write_json(out / "report.json", report)
+    atomic_write_text(out / "report.md", render_markdown(report, comparisons))
+    return report
+
+
+def _fmt(x: float) -> str:
+    return f"{x:+.3f}"
+
+
+def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
+    """The report as Markdown (every number from ``report`` / ``comparisons``)."""
+    runs = report["runs"]
+    fams = ", ".join(f"{n} {k}" for k, n in runs["by_family"].items())
+    lines = [
+        f"# Sweep report: `{report['results']}`",
+        "",
+        f"{runs['finished']} finished runs ({fams}); {runs['left_out']} left out as not finished.",
+        f"Compute tiers {', '.join(f'{t:.2g}' for t in report['tiers'])};"
+        f" widths {report['widths']}; contexts {report['contexts']}; seeds {report['seeds']}.",
+        "",
+        "## Against the FLOP-matched dense model",
+        "",
+        "Difference in validation loss (nats), run minus its dense reference of the same"
+        " context, width, seed and budget; positive means the dense model is better.",
+        "",
+    ]
+    if report["vs_dense"]:
+        lines += ["| group | runs | lose to dense | median | best | worst |", "|---|---|---|---|---|---|"]
+        tables = (
+            ("", report["vs_dense"]),
+            ("C = ", report["vs_dense_by_tier"]),
+            ("", report["vs_dense_by_config"]),
+        )
+        for title, table in tables:
+            for key, s in table.items():
+                lines.append(
+                    f"| {title}{key} | {s['n']} | {s['lose']} | {_fmt(s['median'])} |"
+                    f" {_fmt(s['best'])} | {_fmt(s['worst'])} |"
+                )
+        wins = comparisons[comparisons["delta"] < 0].sort_values("delta")
+        if len(wins):
+            lines += ["", f"Runs that beat their dense reference ({len(wins)}):", ""]
+            for _, w in wins.iterrows():
+                lines.append(
+                    f"* C = {w['tier']:.2g}, width {w['width']}, {w['family']} S = {w['stride']},"
+                    f" c = {w['capacity']:g}: {_fmt(w['delta'])}"
+                )
+    else:
+        lines.append("No non-dense run has a FLOP-matched dense reference in this table.")
+    if report["unmatched"]:
+        lines += ["", f"{report['unmatched']} non-dense runs have no dense reference and are not compared."]
+    lines += ["", "## Dense ladder", "", "| context | C | widths | best width | loss |", "|---|---|---|---|---|"]
+    for d in report["dense_ladder"]:
+        mark = " (edge)" if d["at_edge"] else ""
+        lines.append(
+            f"| {d['context']} | {d['tier']:.2g} | {d['widths']} | {d['best_width']}{mark} |"
+            f" {d['best_loss']:.4f} |"
+        )
+    edges = sum(d["at_edge"] for d in report["dense_ladder"])
+    if edges:
+        lines += [
+            "",
+            f"At {edges} of {len(report['dense_ladder'])} budgets the best dense width is at the"
+            " edge of the tested range: the compute-optimal size is not bracketed there, and a"
+            " dense law fitted on these runs extrapolates its optimum.",
+        ]
+    gap = report["causal_gap"]
+    if gap:
+        lines += [
+            "",
+            "## Causal routing at inference",
+            "",
+            f"Causal minus top-k validation loss over {gap['n']} routed runs: median"
+            f" {_fmt(gap['median'])} (range {_fmt(gap['min'])} to {_fmt(gap['max'])}).",
+        ]
+    law = report["law"]
+    if law:
+        lines += ["", "## Law", "", f"Fit `{law['path']}` ({law['runs']['n']} runs)."]
+        if law.get("selected"):
+            lines += ["", f"Selected delta form `{law['selected']}`: {law['why']}.", ""]
+            lines += ["| parameter | value | 95% interval |", "|---|---|---|"]
+            for k, v in law["params"].items():
+                lines.append(f"| {k} | {v['value']:.4g} | [{v['ci'][0]:.4g}, {v['ci'][1]:.4g}] |")
+        held = law["metrics"].get("heldout") or {}
+        if held:
+            ratio = held.get("ratio")
+            tau = held.get("kendall_tau")
+            lines += [
+                "",
+                f"Held-out ({law['metrics'].get('heldout_protocol')}): RMSE of ln L"
+                f" {held['rmse']:.4f} vs {held['in_fit_rmse']:.4f} in fit"
+                + (f" (ratio {ratio:.2f})" if ratio is not None else "")
+                + (f", Kendall tau {tau:.2f}" if tau is not None else "")
+                + ".",
+            ]
+        for p in law.get("plots", []):
+            lines += ["", f"![{Path(p).stem}]({p})"]
+    return "\n".join(lines) + "\n"
