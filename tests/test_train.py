@@ -11,10 +11,12 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 
 from xmodlm.cli import main
 from xmodlm.config import Config, TrainConfig, load_config
 from xmodlm.errors import UserError
+from xmodlm.train import checkpoint as ckpt_io
 from xmodlm.train.checkpoint import checkpoint_dirs, load_run
 from xmodlm.train.optim import lr_at
 from xmodlm.train.trainer import read_metrics, train
@@ -129,6 +131,58 @@ def test_ddp_two_ranks_match_one_rank(tiny_data_dir: Path, tmp_path: Path) -> No
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
 
 
+def _launch(world: int, cfg: Config, run: Path) -> None:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_ddp_worker, args=(r, world, port, cfg.to_yaml(), str(run)))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    assert all(p.exitcode == 0 for p in procs)
+
+
+def test_fsdp_two_ranks_match_one_rank_and_resume(tiny_data_dir: Path, tmp_path: Path) -> None:
+    """FSDP2 on 2 gloo ranks: same losses as one process, a checkpoint any process can
+    load, and an exact resume across a restart (sharded save and load)."""
+    one = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=4")
+    train(one, tmp_path / "one", progress=False)
+    two = small_cfg(
+        tiny_data_dir, "train.max_steps=5", "train.batch_size=2", "train.fsdp=true",
+        "train.ckpt_every=3", "train.keep_last=2",
+    )
+    _launch(2, two, tmp_path / "two")
+    straight = _losses(tmp_path / "two")
+    straight_val = json.loads((tmp_path / "two" / "summary.json").read_text())["final_val_loss"]
+    # drop the last checkpoint and the summary: the rerun resumes from step 3
+    ckpts = checkpoint_dirs(tmp_path / "two")
+    assert [c.name for c in ckpts] == ["step_00000003", "step_00000005"]
+    shutil.rmtree(ckpts[-1])
+    (tmp_path / "two" / "summary.json").unlink()
+    _, model, ckpt = load_run(tmp_path / "two")  # full weights, readable without FSDP
+    assert ckpt.name == "step_00000003" and model.blocks[1].gamma.shape == (1,)
+    _launch(2, two, tmp_path / "two")
+    assert _losses(tmp_path / "two") == straight  # sharded load resumes exactly
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
+    for step in a:
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+    # every rank evaluates the sharded model (a collective forward); rank 0 reports it
+    assert json.loads((tmp_path / "two" / "summary.json").read_text())["final_val_loss"] == (
+        straight_val
+    )
+    # the optimiser layouts differ: a sharded checkpoint does not resume unsharded
+    with pytest.raises(UserError, match="resume with train.fsdp=true"):
+        from xmodlm.train.trainer import _load_optimizer
+
+        state = ckpt_io.load_state(checkpoint_dirs(tmp_path / "two")[-1])
+        opt = torch.optim.AdamW(model.parameters())
+        _load_optimizer(model, opt, state["optimizer"], sharded=False)
+
+
 def test_corrupt_checkpoint_falls_back_to_previous(
     tiny_data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -222,3 +276,19 @@ def test_run_dir_contents(tiny_data_dir: Path, tmp_path: Path) -> None:
     evals = [r for r in read_metrics(run) if r.get("kind") == "eval"]
     assert evals and "routing_agreement" in evals[-1] and "coverage" in evals[-1]
     shutil.rmtree(run)
+
+
+def test_checkpoint_with_scalar_gammas_still_loads(tiny_data_dir: Path, tmp_path: Path) -> None:
+    """Gate gammas were 0-d scalars before FSDP2 support made them shape (1,)."""
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    train(small_cfg(tiny_data_dir, "train.max_steps=2"), run, progress=False)
+    path = checkpoint_dirs(run)[-1] / "model.safetensors"
+    weights = load_file(str(path))
+    gammas = [k for k in weights if k.endswith(".gamma")]
+    assert gammas
+    save_file({k: v.reshape(()) if k in gammas else v for k, v in weights.items()}, str(path))
+    _, model, _ = load_run(run)
+    for k in gammas:
+        assert torch.equal(model.state_dict()[k], weights[k])

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xmodlm.config import ModelConfig
@@ -133,7 +132,8 @@ class RoutedBlock(nn.Module):
         self.gamma: nn.Parameter | None = None
         if cfg.gating == "variance_scaled":
             init = routing.variance_scaled_gamma_init(cfg.capacity, cfg.stride)
-            self.gamma = nn.Parameter(torch.tensor(init))
+            # shape (1,), not a 0-d scalar: FSDP2 shards parameters along dim 0
+            self.gamma = nn.Parameter(torch.full((1,), init))
         self.predictor: nn.Sequential | None = None
         if cfg.causal_router == "predictor":
             hidden = max(1, cfg.d_model // PREDICTOR_HIDDEN_DIV)
@@ -144,7 +144,7 @@ class RoutedBlock(nn.Module):
     def router_logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """r = x . w in fp32, whatever the autocast dtype."""
         with torch.autocast(device_type=x_BTD.device.type, enabled=False):
-            return F.linear(x_BTD.float(), self.router.weight.float()).squeeze(-1)
+            return torch.matmul(x_BTD.float(), self.router.weight.float().reshape(-1))
 
     def decision_logits(self, x_BTD: torch.Tensor, r_BT: torch.Tensor) -> torch.Tensor:
         """Logit of the causal decision: the router itself, or the stop-gradient predictor."""

@@ -67,7 +67,8 @@ class _RouteFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_BTD, w_1D, k, valid_BT):  # noqa: ANN001, ANN205
         with torch.autocast(device_type=x_BTD.device.type, enabled=False):
-            r_BT = F.linear(x_BTD.float(), w_1D.float()).squeeze(-1)
+            # matmul with the weight as a vector: r is a fresh (B, T) tensor, not a view
+            r_BT = torch.matmul(x_BTD.float(), w_1D.float().reshape(-1))
         idx_BK = topk_indices(r_BT, k, valid_BT)
         ctx.save_for_backward(x_BTD, w_1D, idx_BK)
         ctx.mark_non_differentiable(idx_BK)

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,18 +59,23 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
 def save_checkpoint(
     run_dir: Path,
     step: int,
-    model: torch.nn.Module,
+    model: torch.nn.Module | dict[str, torch.Tensor],
     state: dict[str, Any],
     meta: dict[str, Any],
     keep_last: int,
 ) -> Path:
-    """Write a complete checkpoint atomically and prune all but the last ``keep_last``."""
+    """Write a complete checkpoint atomically and prune all but the last ``keep_last``.
+
+    ``model`` is a module or its full (unsharded) state dict, as a sharded model's
+    must be gathered by every rank before the main rank writes it.
+    """
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp_step_{step:08d}_"))
     try:
-        weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        full = model if isinstance(model, dict) else model.state_dict()
+        weights = {k: v.detach().contiguous().cpu() for k, v in full.items()}
         save_file(_untie(weights), str(tmp / "model.safetensors"))
         torch.save(state, tmp / "state.pt")
         for name in ("model.safetensors", "state.pt"):
@@ -99,16 +105,31 @@ def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
-    """Load ``model.safetensors`` into ``model``; any mismatch is a UserError naming the file."""
+def load_model_weights(
+    ckpt: Path,
+    model: torch.nn.Module,
+    load: Callable[[dict[str, torch.Tensor]], Any] | None = None,
+) -> None:
+    """Load ``model.safetensors`` into ``model``; any mismatch is a UserError naming the file.
+
+    ``load`` replaces ``model.load_state_dict(weights, strict=True)`` (a sharded
+    model scatters the full weights instead).
+    """
     path = Path(ckpt) / "model.safetensors"
     try:
         weights = load_file(str(path))
     except Exception as err:  # truncated or not a safetensors file
         raise UserError(f"checkpoint {path} cannot be read: {err}") from None
+    own = model.state_dict()
+    for k, v in weights.items():  # gate gammas were 0-d scalars in earlier checkpoints
+        if v.dim() == 0 and k in own and own[k].shape == (1,):
+            weights[k] = v.reshape(1)
     try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError:
+        if load is None:
+            model.load_state_dict(weights, strict=True)
+        else:
+            load(weights)
+    except (RuntimeError, KeyError, ValueError):
         raise UserError(
             f"checkpoint {path} does not match the run's configuration"
             " (different architecture): use the config it was trained with"

@@ -9,7 +9,8 @@ resumes from the newest checkpoint that loads. Batches are a pure function of
 Distributed: when ``WORLD_SIZE > 1`` (as set by ``torchrun``) the model is
 wrapped in DDP (gloo on CPU, NCCL on GPU), or sharded with FSDP2 when
 ``train.fsdp`` is set; each rank reads its slice of the global batch; only rank
-0 writes.
+0 writes. Sharded checkpoints hold full (gathered) weights, so any process can
+load them, and the optimiser state keyed by parameter name.
 """
 
 from __future__ import annotations
@@ -221,14 +222,21 @@ def _check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
 
 
 def _restore(
-    run: Path, model: nn.Module, opt: torch.optim.Optimizer, log: Callable[[str], None]
+    run: Path,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    log: Callable[[str], None],
+    sharded: bool = False,
 ) -> TrainState | None:
     """Load the newest checkpoint that loads; name and skip any that do not."""
     for ckpt in reversed(ckpt_io.checkpoint_dirs(run)):
         try:
-            ckpt_io.load_model_weights(ckpt, model)
+            if sharded:
+                ckpt_io.load_model_weights(ckpt, model, load=_sharded_loader(model))
+            else:
+                ckpt_io.load_model_weights(ckpt, model)
             state = ckpt_io.load_state(ckpt)
-            opt.load_state_dict(state["optimizer"])
+            _load_optimizer(model, opt, state["optimizer"], sharded)
         except (UserError, KeyError, ValueError) as err:
             log(f"checkpoint {ckpt} is unusable ({err}); trying the previous one")
             continue
@@ -238,6 +246,45 @@ def _restore(
         log(f"resumed from {ckpt}")
         return TrainState(**state["train_state"])
     return None
+
+
+def _sharded_loader(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], Any]:
+    """Every rank holds the full weights (read from the file); each keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    def load(weights: dict[str, torch.Tensor]) -> Any:
+        return set_model_state_dict(
+            model, weights, options=StateDictOptions(full_state_dict=True, strict=True)
+        )
+
+    return load
+
+
+def _load_optimizer(
+    model: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any], sharded: bool
+) -> None:
+    """Optimiser state: by parameter index (one process, DDP) or by name (FSDP2, full).
+
+    The two layouts are not interchangeable; a run resumes with the parallelism
+    it was saved with.
+    """
+    by_name = any(isinstance(k, str) for k in saved.get("state", {}))
+    if by_name != sharded:
+        raise UserError(
+            f"optimizer state was saved {'with' if by_name else 'without'} train.fsdp:"
+            f" resume with train.fsdp={str(by_name).lower()}"
+        )
+    if not sharded:
+        opt.load_state_dict(saved)
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    set_optimizer_state_dict(
+        model, opt, saved, options=StateDictOptions(full_state_dict=True)
+    )
 
 
 def train(
@@ -278,8 +325,11 @@ def train(
 
     torch.manual_seed(t.seed)
     model = Transformer(cfg.model).to(device)
+    sharded = ddp.world_size > 1 and t.fsdp
+    if sharded:
+        _shard(model)  # before the optimiser: FSDP2 replaces the parameters
     opt = build_optimizer(model, t)
-    state = _restore(run, model, opt, logger.note) or TrainState()
+    state = _restore(run, model, opt, logger.note, sharded) or TrainState()
     logger.truncate_after(state.step)
     wrapped = _wrap(model, cfg, ddp, device)
     counts = flops.count(cfg.model)
@@ -321,7 +371,8 @@ def train(
             if state.step % t.log_every == 0 or last or not finite:
                 logger.log(record)
             logger.advance(record)
-            if ddp.is_main and (state.step % t.eval_every == 0 or last):
+            # a sharded forward is collective: every rank evaluates, rank 0 logs
+            if (ddp.is_main or sharded) and (state.step % t.eval_every == 0 or last):
                 state.last_eval = evaluate(model, fixed_val, device, t.dtype, manifest)
                 logger.log({"step": state.step, "tokens": state.tokens, "kind": "eval",
                             **state.last_eval})
@@ -331,10 +382,10 @@ def train(
                 status = "interrupted"
                 break
             if state.step % t.ckpt_every == 0 or last:
-                _save(run, model, opt, state, cfg, ddp)
+                _save(run, model, opt, state, cfg, ddp, sharded)
     state.wall_s = time.perf_counter() - t_run
     if status == "interrupted":
-        _save(run, model, opt, state, cfg, ddp)
+        _save(run, model, opt, state, cfg, ddp, sharded)
         logger.note(f"interrupted at step {state.step}: checkpoint written, rerun to resume")
     logger.close()
     summary = _summary(cfg, state, counts, status, budget)
@@ -343,16 +394,22 @@ def train(
     return summary
 
 
+def _shard(model: Transformer) -> None:
+    """FSDP2, in place: each block is one unit (gathered for its forward, resharded
+    after), the root holds the embedding, tied head and final norm."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
 def _wrap(model: Transformer, cfg: Config, ddp: Dist, device: torch.device) -> nn.Module:
-    """Apply parallelism and compilation from outside the model."""
+    """Apply data parallelism (unless already sharded) and compilation from outside the model."""
     wrapped: nn.Module = model
     if ddp.world_size > 1:
         if cfg.train.fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
+            pass  # sharded by _shard before the optimiser was built
         else:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -418,17 +475,31 @@ def _save(
     state: TrainState,
     cfg: Config,
     ddp: Dist,
+    sharded: bool = False,
 ) -> None:
+    """Rank 0 writes; a sharded model and optimiser are first gathered by every rank."""
+    weights: nn.Module | dict[str, torch.Tensor] = model
+    optimizer: dict[str, Any] | None = None
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=full)
+        optimizer = get_optimizer_state_dict(model, opt, options=full)
     if not ddp.is_main:
         return
     payload = {
-        "optimizer": opt.state_dict(),
+        "optimizer": opt.state_dict() if optimizer is None else optimizer,
         "train_state": state.as_dict(),
         "rng_cpu": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
     meta = {"tokens": state.tokens, "config_name": cfg.name}
-    ckpt_io.save_checkpoint(run, state.step, model, payload, meta, cfg.train.keep_last)
+    ckpt_io.save_checkpoint(run, state.step, weights, payload, meta, cfg.train.keep_last)
 
 
 def _summary(
