@@ -259,6 +259,13 @@ def test_rank_slices_make_up_the_global_batch(prepared: Path) -> None:
     parts = [get_batch(data, 2, 16, seed=1, step=3, rank=r, world_size=3) for r in range(3)]
     assert torch.equal(torch.cat([p[0] for p in parts]), global_x)
     assert torch.equal(torch.cat([p[1] for p in parts]), global_y)
+    # and so do (micro-batch, rank) slices: the split does not change the global batch
+    parts = [
+        get_batch(data, 1, 16, seed=1, step=3, rank=r, world_size=2, micro=m, grad_accum=3)
+        for m in range(3)
+        for r in range(2)
+    ]
+    assert torch.equal(torch.cat([p[0] for p in parts]), global_x)
 
 
 def test_val_batches_are_fixed(prepared: Path) -> None:

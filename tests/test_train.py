@@ -183,6 +183,18 @@ def test_fsdp_two_ranks_match_one_rank_and_resume(tiny_data_dir: Path, tmp_path:
         _load_optimizer(model, opt, state["optimizer"], sharded=False)
 
 
+def test_grad_accum_matches_one_big_batch(tiny_data_dir: Path, tmp_path: Path) -> None:
+    """2 micro-batches of 2 == 1 batch of 4: same windows, same losses to 1e-5."""
+    big = small_cfg(tiny_data_dir, "train.max_steps=4", "train.batch_size=4")
+    acc = small_cfg(tiny_data_dir, "train.max_steps=4", "train.batch_size=2", "train.grad_accum=2")
+    train(big, tmp_path / "big", progress=False)
+    train(acc, tmp_path / "acc", progress=False)
+    a, b = _losses(tmp_path / "big"), _losses(tmp_path / "acc")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+
+
 def test_corrupt_checkpoint_falls_back_to_previous(
     tiny_data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

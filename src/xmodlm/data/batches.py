@@ -55,12 +55,16 @@ def get_batch(
     step: int,
     rank: int = 0,
     world_size: int = 1,
+    micro: int = 0,
+    grad_accum: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's ``batch_size`` random windows for optimiser step ``step``.
+    """This rank's ``batch_size`` random windows of micro-batch ``micro`` of optimiser step ``step``.
 
     Returns ``(x_BT, y_BT)``, int64 CPU tensors with ``y`` shifted one token ahead.
-    Window starts are uniform over the split, drawn from a generator seeded with
-    ``(seed, step)`` only, so they do not depend on the rank or on earlier steps.
+    The step's global batch (``batch_size x grad_accum x world_size`` windows) is
+    drawn from a generator seeded with ``(seed, step)`` only and then split, so it
+    does not depend on the rank, on earlier steps, or on how it is divided into
+    ranks and accumulation micro-batches.
     """
     assert batch_size > 0 and context > 0 and 0 <= rank < world_size, (
         batch_size,
@@ -68,10 +72,12 @@ def get_batch(
         rank,
         world_size,
     )
+    assert 0 <= micro < grad_accum, (micro, grad_accum)
     data.check_context(context)
     rng = np.random.default_rng((seed, step))
-    starts = rng.integers(0, len(data) - context, size=batch_size * world_size)
-    return _windows(data, starts[rank * batch_size : (rank + 1) * batch_size], context)
+    starts = rng.integers(0, len(data) - context, size=batch_size * grad_accum * world_size)
+    first = (micro * world_size + rank) * batch_size
+    return _windows(data, starts[first : first + batch_size], context)
 
 
 def val_batches(

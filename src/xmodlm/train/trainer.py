@@ -440,8 +440,8 @@ def _train_step(
     aux_sums: dict[str, torch.Tensor] = {}
     for micro in range(t.grad_accum):
         x, y = get_batch(
-            data, t.batch_size, cfg.model.context, t.seed, step * t.grad_accum + micro,
-            ddp.rank, ddp.world_size,
+            data, t.batch_size, cfg.model.context, t.seed, step, ddp.rank, ddp.world_size,
+            micro, t.grad_accum,
         )
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         sync = micro == t.grad_accum - 1 or not hasattr(model, "no_sync")
