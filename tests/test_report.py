@@ -80,8 +80,8 @@ def test_the_committed_micro_law_report(tmp_path: Path) -> None:
     rep = sweep_report(REPO / "results/micro-law/results.csv", out, law=fit)
     lose = sum(s["lose"] for s in rep["vs_dense"].values())
     n = sum(s["n"] for s in rep["vs_dense"].values())
-    assert (lose, n) == (52, 60)
-    assert rep["law"]["selected"] == "base" and "g_cap" in rep["law"]["params"]
+    assert (lose, n) == (83, 100)
+    assert rep["law"]["selected"] == "saturating" and "g_cap" in rep["law"]["params"]
     assert all((out / p).is_file() for p in rep["law"]["plots"])
 
 

@@ -46,7 +46,7 @@ EXTRAPOLATION = 10.0  # warn when compute is more than this factor outside the f
 DEFAULT_FIT = "default_fit.json"
 DEFAULT_FIT_NOTE = (
     "no --law given: using the shipped law, fitted on the micro-law CPU sweep"
-    " (results/micro-law: T=128, N_ae 9e4-9e5, C 3e11-1e13, 72 runs, one seed);"
+    " (results/micro-law: T=128, N_ae 2e4-9e5, C 3e11-1e13, 120 runs, one seed);"
     " fit your own sweep for budgets outside that range"
 )
 
