@@ -303,30 +303,30 @@ def test_recommend_picks_sparse_when_the_law_says_so(sparse_helps: LawFit) -> No
     assert all(c["params_total"] <= 3e7 for c in capped["candidates"])
 
 
-def test_recommend_says_dense_when_sparse_hurts() -> None:
+@pytest.fixture(scope="module")
+def sparse_hurts() -> LawFit:
+    """A law fitted where X-MoD hurts (g_cap < 0) at one context."""
     runs = synthetic_runs(
         100,
         true_delta_params={"g_cap": -0.03, "g_ctx": 0.0, "g_int": 0.0},
         contexts=(1024,),
         seed=4,
     )
-    out = recommend(1e17, 1024, 1e7, law=fit_law(runs, form="base", n_boot=N_BOOT, seed=0))
+    return fit_law(runs, form="base", n_boot=N_BOOT, seed=0)
+
+
+def test_recommend_says_dense_when_sparse_hurts(sparse_hurts: LawFit) -> None:
+    out = recommend(1e17, 1024, 1e7, law=sparse_hurts)
     assert out["answer"] == "train dense" and out["best"] is None
     assert "P >= 0.9" in out["reason"]
     assert all(c["p_beats_dense"] < 0.9 for c in out["candidates"])
 
 
-def test_recommend_does_not_credit_routing_with_a_size_change() -> None:
+def test_recommend_does_not_credit_routing_with_a_size_change(sparse_hurts: LawFit) -> None:
     """A 3e5-parameter reference is 4 layers deep: S = 2 or 4 candidates miss its FLOPs by
     +17-50%, and at C = 1e14 that extra size alone beats the reference. The law says
     routing hurts, so the answer must stay dense and say why."""
-    runs = synthetic_runs(
-        100,
-        true_delta_params={"g_cap": -0.03, "g_ctx": 0.0, "g_int": 0.0},
-        contexts=(1024,),
-        seed=4,
-    )
-    out = recommend(1e14, 1024, 3e5, law=fit_law(runs, form="base", n_boot=N_BOOT, seed=0))
+    out = recommend(1e14, 1024, 3e5, law=sparse_hurts)
     bigger = [c for c in out["candidates"] if c["p_beats_dense"] >= 0.9]
     assert bigger and all(c["flop_mismatch"] > 0.1 for c in bigger)
     assert all(c["p_routing_helps"] < 0.1 for c in bigger)
