@@ -231,10 +231,9 @@ def _restore(
     """Load the newest checkpoint that loads; name and skip any that do not."""
     for ckpt in reversed(ckpt_io.checkpoint_dirs(run)):
         try:
-            if sharded:
-                ckpt_io.load_model_weights(ckpt, model, load=_sharded_loader(model))
-            else:
-                ckpt_io.load_model_weights(ckpt, model)
+            ckpt_io.load_model_weights(
+                ckpt, model, load=_sharded_loader(model) if sharded else None
+            )
             state = ckpt_io.load_state(ckpt)
             _load_optimizer(model, opt, state["optimizer"], sharded)
         except (UserError, KeyError, ValueError) as err:
@@ -407,18 +406,15 @@ def _shard(model: Transformer) -> None:
 def _wrap(model: Transformer, cfg: Config, ddp: Dist, device: torch.device) -> nn.Module:
     """Apply data parallelism (unless already sharded) and compilation from outside the model."""
     wrapped: nn.Module = model
-    if ddp.world_size > 1:
-        if cfg.train.fsdp:
-            pass  # sharded by _shard before the optimiser was built
-        else:
-            from torch.nn.parallel import DistributedDataParallel
+    if ddp.world_size > 1 and not cfg.train.fsdp:  # FSDP2: sharded by _shard already
+        from torch.nn.parallel import DistributedDataParallel
 
-            wrapped = DistributedDataParallel(
-                model,
-                device_ids=[device.index] if device.type == "cuda" else None,
-                # MoE experts may receive no token in a step
-                find_unused_parameters="E" in model.layout,
-            )
+        wrapped = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            # MoE experts may receive no token in a step
+            find_unused_parameters="E" in model.layout,
+        )
     mode = cfg.train.compile
     if mode == "on" or (mode == "auto" and device.type == "cuda"):
         wrapped = torch.compile(wrapped)
