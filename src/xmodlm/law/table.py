@@ -89,6 +89,14 @@ def read_table(path: str | Path) -> pd.DataFrame:
     raise UserError(f"results table {str(path)!r}: expected a .csv, .tsv, .parquet or .pq file")
 
 
+def finished_runs(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """The rows whose ``status`` says finished (all rows without the column), and how many not."""
+    if "status" not in df.columns:
+        return df, 0
+    done = df["status"].astype(str).str.strip().str.lower().isin(FINISHED)
+    return df[done], int((~done).sum())
+
+
 def validate(df: pd.DataFrame, need_loss: bool = True) -> Runs:
     """Check a run table and fill defaults; ``need_loss=False`` for prediction inputs."""
     required = ("params_active", "tokens", "val_loss") if need_loss else ("params_active", "tokens")
@@ -100,10 +108,8 @@ def validate(df: pd.DataFrame, need_loss: bool = True) -> Runs:
     frame = df.reset_index(drop=True)
     raw = frame.copy()  # original cells, for error messages about text that is not a number
     dropped = 0
-    if need_loss and "status" in frame.columns:
-        done = frame["status"].astype(str).str.strip().str.lower().isin(FINISHED)
-        dropped = int((~done).sum())
-        frame = frame[done]
+    if need_loss:
+        frame, dropped = finished_runs(frame)
     moe = (
         frame["family"].astype(str).str.strip().str.lower().eq("moe") if "family" in frame else None
     )

@@ -25,14 +25,17 @@ and ``report.json`` (the same numbers), all written atomically.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from xmodlm.errors import UserError
-from xmodlm.law.table import FINISHED, read_table
+from xmodlm.law.table import finished_runs, read_table
 from xmodlm.train.checkpoint import atomic_write_json, atomic_write_text
+
+if TYPE_CHECKING:
+    from xmodlm.law.fit import LawFit
 
 REQUIRED = ("family", "width", "context", "val_loss")
 MATCH_TOLERANCE = 0.1  # |ln C_run - ln C_dense| for two runs of one budget
@@ -47,9 +50,9 @@ def _config_label(key: tuple[Any, ...]) -> str:
     return f"{family} S={stride} c={capacity:g} {gating} bal={balance:g}"
 
 
-def _load(path: str | Path) -> tuple[pd.DataFrame, int]:
-    """The finished runs of a results table, with a numeric compute column."""
-    df = read_table(path)
+def _load(raw: pd.DataFrame, path: str | Path) -> tuple[pd.DataFrame, int]:
+    """The finished runs of the results table ``raw`` (read from ``path``), compute numeric."""
+    df = raw
     missing = [c for c in REQUIRED if c not in df.columns]
     if "compute" not in df.columns and not {"flops_per_token", "tokens"} <= set(df.columns):
         missing.append("compute (or flops_per_token and tokens)")
@@ -58,11 +61,7 @@ def _load(path: str | Path) -> tuple[pd.DataFrame, int]:
             f"results table {str(path)!r} lacks column(s) {', '.join(missing)};"
             " `xmod sweep` writes all of them"
         )
-    left_out = 0
-    if "status" in df.columns:
-        done = df["status"].astype(str).str.strip().str.lower().isin(FINISHED)
-        left_out = int((~done).sum())
-        df = df[done]
+    df, left_out = finished_runs(df)
     df = df.reset_index(drop=True).copy()
     if "compute" not in df.columns:
         df["compute"] = df["flops_per_token"] * df["tokens"]
@@ -164,10 +163,7 @@ def _dense_ladder(df: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
-def _law_section(fit_path: str | Path) -> dict[str, Any]:
-    from xmodlm.law.fit import load_fit
-
-    fit = load_fit(fit_path)
+def _law_section(fit: LawFit, fit_path: str | Path) -> dict[str, Any]:
     data = fit.to_json()
     section: dict[str, Any] = {"path": str(fit_path), "runs": data["runs"]}
     section["dense"] = [
@@ -191,7 +187,8 @@ def sweep_report(
     results: str | Path, out_dir: str | Path, law: str | Path | None = None
 ) -> dict[str, Any]:
     """Write ``report.md``, ``comparisons.csv`` and ``report.json`` for ``results``; return the JSON."""
-    df, left_out = _load(results)
+    raw = read_table(results)
+    df, left_out = _load(raw, results)
     comparisons, unmatched = match_to_dense(df)
     report: dict[str, Any] = {
         "results": str(results),
@@ -237,11 +234,12 @@ def sweep_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if law is not None:
-        report["law"] = _law_section(law)
         from xmodlm.law.fit import load_fit
         from xmodlm.report.law_plots import plot_law
 
-        plots = plot_law(load_fit(law), read_table(results), out / "plots")
+        fit = load_fit(law)
+        report["law"] = _law_section(fit, law)
+        plots = plot_law(fit, raw, out / "plots")
         report["law"]["plots"] = [str(p.relative_to(out)) for p in plots]
     atomic_write_text(out / "comparisons.csv", comparisons.to_csv(index=False))
     atomic_write_json(out / "report.json", report)
