@@ -52,16 +52,15 @@ def _config_label(key: tuple[Any, ...]) -> str:
 
 def _load(raw: pd.DataFrame, path: str | Path) -> tuple[pd.DataFrame, int]:
     """The finished runs of the results table ``raw`` (read from ``path``), compute numeric."""
-    df = raw
-    missing = [c for c in REQUIRED if c not in df.columns]
-    if "compute" not in df.columns and not {"flops_per_token", "tokens"} <= set(df.columns):
+    missing = [c for c in REQUIRED if c not in raw.columns]
+    if "compute" not in raw.columns and not {"flops_per_token", "tokens"} <= set(raw.columns):
         missing.append("compute (or flops_per_token and tokens)")
     if missing:
         raise UserError(
             f"results table {str(path)!r} lacks column(s) {', '.join(missing)};"
             " `xmod sweep` writes all of them"
         )
-    df, left_out = finished_runs(df)
+    df, left_out = finished_runs(raw)
     df = df.reset_index(drop=True).copy()
     if "compute" not in df.columns:
         df["compute"] = df["flops_per_token"] * df["tokens"]
