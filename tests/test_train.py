@@ -304,3 +304,27 @@ def test_checkpoint_with_scalar_gammas_still_loads(tiny_data_dir: Path, tmp_path
     _, model, _ = load_run(run)
     for k in gammas:
         assert torch.equal(model.state_dict()[k], weights[k])
+
+
+def test_weight_decay_groups() -> None:
+    """Matrices decay; routers (sparse-depth and MoE), gate gammas, norms, biases and
+    the embedding do not; the causal predictor's matrices do."""
+    from conftest import tiny_model_cfg
+    from xmodlm.model import Transformer
+    from xmodlm.train.optim import param_groups
+
+    model = Transformer(
+        tiny_model_cfg(n_layers=4, layout="DsEs", causal_router="predictor", n_experts=2, moe_top_k=1)
+    )
+    decay_group, no_decay_group = param_groups(model, 0.1)
+    assert decay_group["weight_decay"] == 0.1 and no_decay_group["weight_decay"] == 0.0
+    ids = {id(p) for p in decay_group["params"]}
+    names = {n: id(p) in ids for n, p in model.named_parameters()}
+    assert not names["blocks.1.router.weight"] and not names["blocks.2.block.mlp.router.weight"]
+    assert not names["blocks.1.gamma"] and not names["embed.weight"] and not names["norm.weight"]
+    assert not names["blocks.1.predictor.0.bias"]
+    assert names["blocks.1.predictor.0.weight"] and names["blocks.1.predictor.2.weight"]
+    assert names["head.weight"] and names["blocks.0.block.attn.proj.weight"]
+    assert names["blocks.1.block.mlp.down.weight"]
+    n_params = len(list(model.parameters()))
+    assert len(decay_group["params"]) + len(no_decay_group["params"]) == n_params

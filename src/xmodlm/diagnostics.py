@@ -23,6 +23,21 @@ def residual_rms(model: Transformer, tokens_BT: torch.Tensor) -> list[float]:
     return list(model(tokens_BT, return_stats=True).stats["residual_rms"])
 
 
+@torch.no_grad()
+def added_variance(model: Transformer, tokens_BT: torch.Tensor) -> float:
+    """Residual variance the blocks add: mean over tokens and channels of (x_L - x_0)^2.
+
+    x_0 is the embedding, x_L the stream after the last block (top-k routing,
+    fp32). This is the quantity the variance-scaled gate's rule targets.
+    """
+    pos_T = torch.arange(tokens_BT.shape[1], device=tokens_BT.device)
+    x0_BTD = model.embed(tokens_BT).float()
+    x_BTD = x0_BTD
+    for block in model.blocks:
+        x_BTD, _ = block(x_BTD, model.rope, pos_T, "topk")
+    return float((x_BTD - x0_BTD).pow(2).mean())
+
+
 def compare_gates_at_init(
     cfg: ModelConfig, gatings: tuple[str, ...] = ("sigmoid", "variance_scaled"),
     batch: int = 4, seed: int = 0,

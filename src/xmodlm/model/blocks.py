@@ -131,9 +131,9 @@ class RoutedBlock(nn.Module):
         self.router = nn.Linear(cfg.d_model, 1, bias=False)
         self.gamma: nn.Parameter | None = None
         if cfg.gating == "variance_scaled":
-            init = routing.variance_scaled_gamma_init(cfg.capacity, cfg.stride)
+            # neutral until the stack calibrates it (Transformer.init_gates_);
             # shape (1,), not a 0-d scalar: FSDP2 shards parameters along dim 0
-            self.gamma = nn.Parameter(torch.full((1,), init))
+            self.gamma = nn.Parameter(torch.full((1,), routing.NEUTRAL_GAMMA))
         self.predictor: nn.Sequential | None = None
         if cfg.causal_router == "predictor":
             hidden = max(1, cfg.d_model // PREDICTOR_HIDDEN_DIV)

@@ -5,8 +5,9 @@ its output counts lives here, separately testable and free of module state:
 
 * expert-choice top-k per sequence (:func:`topk_indices`), gather and scatter,
   and :func:`route` (router logits, top-k and gather as one autograd node);
-* the gates ``logit | sigmoid | variance_scaled`` (:func:`gate`) and the initial
-  scale of the variance-scaled gate (:func:`variance_scaled_gamma_init`);
+* the gates ``logit | sigmoid | variance_scaled`` (:func:`gate`) and the solver
+  of the variance-scaled gate's initial scale (:func:`solve_gamma`,
+  :func:`interpolate_depth`; the stack runs it in ``Transformer.init_gates_``);
 * the auxiliary losses: depth-wise token balancing (:func:`balance_loss`) and the
   causal-decision BCE (:func:`causal_bce_loss`);
 * the routing statistics logged during evaluation (:func:`routing_stats`).
@@ -17,6 +18,7 @@ Router logits are always fp32 (tensors named ``r_BT``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -129,24 +131,46 @@ def gate(r: torch.Tensor, kind: str, gamma: torch.Tensor | None = None) -> torch
     raise AssertionError(f"unknown gating {kind!r}")
 
 
-def variance_scaled_gamma_init(capacity: float, stride: int) -> float:
-    """Initial gamma so deep sparse windows add no more variance than dense ones.
+NEUTRAL_GAMMA = 2.0  # gamma * sigmoid(0) = 1: the gate of a zero-scale router is exactly 1
 
-    In a window of one anchor and S-1 sparse blocks, a dense model of the same
-    active-equivalent depth adds ``1 + c (S-1)`` branch variances per token. Under
-    X-MoD a token chosen by ``m`` sparse blocks adds ``1 + m g^2``, with m anywhere
-    from 0 to S-1 (routers may collapse onto the same tokens). Requiring that even a
-    token chosen by *every* sparse block add no more than the dense-equivalent
-    amount gives ``(S-1) g^2 = c (S-1)``, i.e. ``g = sqrt(c)`` whatever S; the
-    average token (m = c (S-1)) then adds ``1 + c^2 (S-1)``, between one block and
-    the dense-equivalent. At a zero-initialised router sigmoid(r) = 1/2, so
-    ``gamma = 2 sqrt(c)``. At c = 1 this is gamma = 2, g = 1: exactly the dense
-    block, as the dense limit requires. ``stride`` is accepted so the rule can
-    grow an S dependence without changing callers; with S = 1 there is no sparse
-    block and gamma is unused.
+
+def interpolate_depth(values_by_depth: list[float], depth: float) -> float:
+    """Linear interpolation of ``values_by_depth[n]`` (n = 0, 1, ...) at a real ``depth``.
+
+    Serves the variance-scaled rule: the dense model of the same active-equivalent
+    depth L_ae has a fractional depth, so its residual variance is read between the
+    dense stacks of floor(L_ae) and ceil(L_ae) blocks.
     """
-    del stride  # cancels in the rule above
-    return 2.0 * math.sqrt(capacity)
+    lo = min(int(math.floor(depth)), len(values_by_depth) - 1)
+    hi = min(lo + 1, len(values_by_depth) - 1)
+    frac = depth - lo
+    return values_by_depth[lo] + frac * (values_by_depth[hi] - values_by_depth[lo])
+
+
+def solve_gamma(
+    added_variance: Callable[[float], float], target: float, tol: float = 0.01, max_iter: int = 8
+) -> float:
+    """The gate scale gamma at which ``added_variance(gamma)`` equals ``target``.
+
+    ``added_variance`` is the residual variance a stack adds when every sparse gate
+    has scale gamma; it grows monotonically with gamma^2 and nearly linearly, so a
+    secant iteration in gamma^2, started from gamma = 0 (anchors only) and the
+    neutral gate, converges in two to four evaluations. Stops at relative error
+    ``tol``. If the anchors alone already add more than ``target`` the rule cannot
+    be met; the sparse branches then start nearly closed (gamma^2 at 1% of neutral).
+    """
+    floor_sq = 0.01 * NEUTRAL_GAMMA**2
+    a_sq, v_a = 0.0, added_variance(0.0)
+    b_sq, v_b = NEUTRAL_GAMMA**2, added_variance(NEUTRAL_GAMMA)
+    if v_a >= target:
+        return math.sqrt(floor_sq)
+    for _ in range(max_iter):
+        if abs(v_b / target - 1.0) <= tol or v_b == v_a:
+            break
+        c_sq = max(floor_sq, b_sq + (target - v_b) * (b_sq - a_sq) / (v_b - v_a))
+        a_sq, v_a = b_sq, v_b
+        b_sq, v_b = c_sq, added_variance(math.sqrt(c_sq))
+    return math.sqrt(b_sq)
 
 
 def causal_bce_loss(logit_BT: torch.Tensor, selected_BT: torch.Tensor) -> torch.Tensor:

@@ -82,9 +82,9 @@ class Transformer(nn.Module):
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights; residual output projections scaled down by
-        sqrt(2 * active-equivalent depth), so a sparse stack starts with the residual
-        growth of the dense model it is compute-matched to; routers start at zero
-        scale plus noise so top-k is not tied at step 0."""
+        sqrt(2 * active-equivalent depth); routers start at zero scale plus noise so
+        top-k is not tied at step 0; then the variance-scaled gates are calibrated
+        (:meth:`init_gates_`)."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * max(1.0, active_depth(self.cfg)))
         for name, p in self.named_parameters():
@@ -99,6 +99,74 @@ class Transformer(nn.Module):
                 for layer in block.predictor:
                     if isinstance(layer, nn.Linear):
                         nn.init.zeros_(layer.bias)
+        self.init_gates_()
+
+    @torch.no_grad()
+    def init_gates_(self, seed: int = 0) -> list[float]:
+        """Set the variance-scaled gates' initial gamma; returns the gammas set.
+
+        The rule (docs/architecture.md): at initialisation the residual variance
+        the blocks add, averaged over tokens, equals that of a dense model of the
+        same active-equivalent depth L_ae. Scaling output projections by L_ae
+        alone does not get there: a sparse block's attention averages over k = cT
+        keys instead of T, so its branch is larger per processed token, and by how
+        much depends on c, T, width and depth. The rule therefore measures, on a
+        fixed batch of random tokens, (a) the dense reference: this stack's first
+        floor(L_ae) and ceil(L_ae) blocks run on every token with the branch scale
+        of a dense model of that depth, interpolated at L_ae; and (b) the stack
+        itself as a function of one common gamma, solved for by secant
+        (:func:`routing.solve_gamma`). Deterministic given the weights (no global
+        RNG is used); a few forward passes. Where every sparse block takes every
+        token (k = T) the gate is neutral (gamma = 2, g = 1): exactly dense.
+        """
+        routed = [b for b in self.blocks if isinstance(b, RoutedBlock) and b.gamma is not None]
+        if not routed:
+            return []
+        T = self.cfg.context
+        if routing.capacity_tokens(self.cfg.capacity, T) == T:
+            gamma = routing.NEUTRAL_GAMMA
+        else:
+            param = next(self.parameters())
+            batch = max(1, min(8, -(-2048 // T)))
+            gen = torch.Generator().manual_seed(seed)
+            idx_BT = torch.randint(0, self.cfg.vocab_size, (batch, T), generator=gen)
+            with torch.autocast(device_type=param.device.type, enabled=False):
+                gamma = self._solve_gate_scale(idx_BT.to(param.device), routed)
+        for block in routed:
+            block.gamma.fill_(gamma)
+        return [gamma] * len(routed)
+
+    def _solve_gate_scale(self, idx_BT: torch.Tensor, routed: list[RoutedBlock]) -> float:
+        T = idx_BT.shape[1]
+        pos_T = torch.arange(T, device=idx_BT.device)
+        cos, sin = self.rope(pos_T)
+        x0_BTD = self.embed(idx_BT).float()
+        l_ae = active_depth(self.cfg)
+
+        def dense_variance(n: int) -> float:
+            # a dense stack of n blocks: out-projection std init_std / sqrt(2 n),
+            # i.e. this stack's blocks (scaled for L_ae) times sqrt(L_ae / n)
+            x_BTD = x0_BTD
+            for block in list(self.blocks)[:n]:
+                f_BTD, _ = block.block.branch(x_BTD, cos, sin)
+                x_BTD = x_BTD + math.sqrt(l_ae / n) * f_BTD
+            return float((x_BTD - x0_BTD).pow(2).mean())
+
+        def stack_variance(gamma: float) -> float:
+            for block in routed:
+                block.gamma.fill_(gamma)
+            x_BTD = x0_BTD
+            for block in self.blocks:
+                x_BTD, _ = block(x_BTD, self.rope, pos_T, "topk", (cos, sin))
+            return float((x_BTD - x0_BTD).pow(2).mean())
+
+        n_hi = min(len(self.blocks), math.ceil(l_ae))
+        lo = max(0, n_hi - 1)
+        by_depth = [0.0] * (n_hi + 1)
+        for n in {lo, n_hi} - {0}:
+            by_depth[n] = dense_variance(n)
+        target = routing.interpolate_depth(by_depth, min(l_ae, n_hi))
+        return routing.solve_gamma(stack_variance, target)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

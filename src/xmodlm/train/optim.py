@@ -9,15 +9,36 @@ from torch import nn
 
 from xmodlm.config import TrainConfig
 
+NO_DECAY_SUFFIXES = ("embed.weight", "router.weight")
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Whether weight decay applies to parameter ``name``.
+
+    Weight matrices decay. Not decayed, because decay would shrink a scale the
+    model needs rather than regularise a map:
+
+    * vectors and scalars: norm gains, biases, the variance-scaled gates' gamma
+      (decay would pull every sparse branch toward zero);
+    * the embedding table (rows of rare tokens would decay to nothing);
+    * sparse-depth routers, a (1, d) matrix whose logit *is* the gate's input:
+      under the ``logit`` gate decay shrinks the gate itself, under ``sigmoid``
+      it pulls every gate toward 1/2 and blurs the top-k ranking; the MoE router
+      (same name suffix) likewise, its logits are kept small by the z-loss.
+
+    The causal predictor's hidden and output matrices decay like any MLP: it is a
+    classifier on stop-gradient inputs, its scale gates nothing.
+    """
+    return p.dim() >= 2 and not name.endswith(NO_DECAY_SUFFIXES)
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    """Matrices decay; vectors and scalars (norm gains, gate gammas, biases) and the
-    embedding table do not: decaying them shrinks scales the model needs."""
+    """Two AdamW groups, decayed and not (:func:`decays`)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.dim() < 2 or name.endswith("embed.weight"):
+        if not decays(name, p):
             no_decay.append(p)
         else:
             decay.append(p)
