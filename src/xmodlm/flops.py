@@ -120,21 +120,29 @@ def count(cfg: ModelConfig, context: int | None = None) -> Counts:
 
 
 def flop_match(
-    dense: ModelConfig, stride: int, capacity: float, max_layers: int = 512, **changes: object
+    dense: ModelConfig,
+    stride: int,
+    capacity: float,
+    max_layers: int = 512,
+    first_anchor_only: bool = False,
+    **changes: object,
 ) -> tuple[ModelConfig, float]:
     """The config with ``dense``'s width and (stride, capacity) closest in training FLOPs.
 
-    Depth is a multiple of ``stride``. Returns the config and the relative FLOP
-    mismatch ``F_x / F_dense - 1``. ``changes`` are extra fields (gating, ...)
-    applied before matching.
+    Depth is a multiple of ``stride``; with ``first_anchor_only`` (the anchors
+    ablation) the layout is one anchor then sparse blocks only, at any depth.
+    Returns the config and the relative FLOP mismatch ``F_x / F_dense - 1``.
+    ``changes`` are extra fields (gating, ...) applied before matching.
     """
     if "s" in dense.block_layout or "E" in dense.block_layout:
         raise UserError("flop matching needs a dense reference (stride 1, no MoE)")
     target = count(dense).flops_train
     best: tuple[float, ModelConfig] | None = None
-    for n_layers in range(stride, max_layers + 1, stride):
+    step = 1 if first_anchor_only else stride
+    for n_layers in range(max(step, 2 if first_anchor_only else 1), max_layers + 1, step):
+        layout = "D" + "s" * (n_layers - 1) if first_anchor_only else ""
         cand = dataclasses.replace(
-            dense, n_layers=n_layers, stride=stride, capacity=capacity, layout="", **changes
+            dense, n_layers=n_layers, stride=stride, capacity=capacity, layout=layout, **changes
         )
         gap = count(cand).flops_train / target - 1.0
         if best is None or abs(gap) < abs(best[0]):

@@ -22,7 +22,10 @@ COLUMNS = [
     "params_total", "params_active", "flops_per_token", "tokens", "compute", "seed",
     "val_loss", "val_bpb", "status",
 ]
-EXTRA = ["run_id", "val_loss_causal", "routing_agreement", "wall_s"]
+EXTRA = [
+    "run_id", "val_loss_causal", "routing_agreement", "wall_s",
+    "steps", "batch_tokens", "lr", "warmup_steps", "epochs", "layout", "commit",
+]
 
 
 def _row(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -49,6 +52,8 @@ def _row(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
         "val_loss": s["final_val_loss"], "val_bpb": s["val_bpb"], "status": s["status"],
         "run_id": run_dir.name, "val_loss_causal": s.get("final_val_loss_causal"),
         "routing_agreement": s.get("routing_agreement"), "wall_s": s.get("wall_s"),
+        **{k: s.get(k) for k in ("steps", "batch_tokens", "lr", "warmup_steps", "epochs",
+                                 "layout", "commit")},
     }
     return row, None
 

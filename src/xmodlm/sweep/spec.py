@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import itertools
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,8 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 SPEC_KEYS = {"name", "base", "compute", "context", "dense", "families", "seeds", "set"}
 ROUTING_KEYS = {"stride", "capacity", "gating", "balance_coef", "causal_router", "causal_coef"}
 MOE_KEYS = {"n_experts", "moe_top_k", "moe_aux_coef", "moe_z_coef"}
+LAYOUT_KEYS = {"anchors"}  # "stride" (every S-th block, the default) | "first" (block 0 only)
+TRAIN_KEYS = {"lr", "warmup_steps"}  # per-family training settings (e.g. tuned learning rates)
 
 
 @dataclass(frozen=True)
@@ -78,10 +81,22 @@ class RunSpec:
         }
 
 
+def spec_names() -> list[str]:
+    """Names of the sweep specs shipped in the package."""
+    root = resources.files("xmodlm") / "configs" / "sweeps"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
 def load_spec(path: str | Path) -> dict[str, Any]:
+    """A spec from a YAML file, or a shipped spec by name (``micro-law``)."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"sweep spec {str(p)!r} not found")
+        shipped = resources.files("xmodlm") / "configs" / "sweeps" / f"{path}.yaml"
+        if not shipped.is_file():
+            raise UserError(
+                f"sweep spec {str(p)!r} not found; shipped specs: {', '.join(spec_names())}"
+            )
+        p = Path(str(shipped))
     try:
         spec = yaml.safe_load(p.read_text())
     except yaml.YAMLError:
@@ -111,7 +126,7 @@ def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
         raise UserError(
             f"sweep spec: family {family!r} unknown; allowed: {', '.join(FAMILY_DEFAULTS)}"
         )
-    allowed = ROUTING_KEYS | MOE_KEYS
+    allowed = ROUTING_KEYS | MOE_KEYS | LAYOUT_KEYS | TRAIN_KEYS
     unknown = set(entry) - allowed
     if unknown:
         raise UserError(
@@ -170,7 +185,13 @@ def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
 
 def _resolve_variant(dense_cfg: Config, variant: dict[str, Any]) -> Config:
     family = variant["family"]
-    changes = {k: v for k, v in variant.items() if k != "family"}
+    changes = {k: v for k, v in variant.items() if k not in {"family"} | TRAIN_KEYS}
+    train = dataclasses.replace(
+        dense_cfg.train, **{k: v for k, v in variant.items() if k in TRAIN_KEYS}
+    )
+    anchors = changes.pop("anchors", "stride")
+    if anchors not in ("stride", "first"):
+        raise UserError(f"sweep spec: anchors={anchors!r}: allowed: stride, first")
     model = dense_cfg.model
     if family == "dense":
         new_model = model
@@ -183,8 +204,10 @@ def _resolve_variant(dense_cfg: Config, variant: dict[str, Any]) -> Config:
         stride, capacity = changes.pop("stride", None), changes.pop("capacity", None)
         if stride is None or capacity is None:
             raise UserError(f"sweep spec: family {family} needs stride and capacity")
-        new_model, _ = flops.flop_match(model, int(stride), float(capacity), **changes)
-    cfg = dataclasses.replace(dense_cfg, model=new_model, name=f"{family}")
+        new_model, _ = flops.flop_match(
+            model, int(stride), float(capacity), first_anchor_only=anchors == "first", **changes
+        )
+    cfg = dataclasses.replace(dense_cfg, model=new_model, train=train, name=f"{family}")
     return cfg.validate()
 
 

@@ -315,12 +315,13 @@ def train(
     fixed_val = val_batches(val_data, cfg.data.val_batches, t.batch_size, cfg.model.context)
 
     _prepare_run_dir(cfg, run, ddp.is_main)
+    env = environment_record()  # the code this start runs (a sweep may outlive a commit)
     logger = MetricLogger(run, cfg, enabled=ddp.is_main, progress=progress)
     if ddp.is_main:
         tok = Path(cfg.data.dir) / "tokenizer.json"
         if tok.is_file():
             shutil.copyfile(tok, run / "tokenizer.json")
-        ckpt_io.atomic_write_json(run / "env.json", {**environment_record(), "allocator": allocator})
+        ckpt_io.atomic_write_json(run / "env.json", {**env, "allocator": allocator})
 
     torch.manual_seed(t.seed)
     model = Transformer(cfg.model).to(device)
@@ -387,7 +388,9 @@ def train(
         _save(run, model, opt, state, cfg, ddp, sharded)
         logger.note(f"interrupted at step {state.step}: checkpoint written, rerun to resume")
     logger.close()
-    summary = _summary(cfg, state, counts, status, budget)
+    summary = _summary(
+        cfg, state, counts, status, budget, len(train_data), ddp.world_size, env["git_commit"]
+    )
     if ddp.is_main and status != "interrupted":
         ckpt_io.atomic_write_json(run / "summary.json", summary)
     return summary
@@ -499,10 +502,17 @@ def _save(
 
 
 def _summary(
-    cfg: Config, state: TrainState, counts: flops.Counts, status: str, budget: Budget
+    cfg: Config,
+    state: TrainState,
+    counts: flops.Counts,
+    status: str,
+    budget: Budget,
+    train_tokens: int,
+    world_size: int,
+    commit: str | None,
 ) -> dict[str, Any]:
     ev = state.last_eval
-    m = cfg.model
+    m, t = cfg.model, cfg.train
     return {
         "status": status,
         "name": cfg.name,
@@ -527,7 +537,12 @@ def _summary(
         "context": m.context,
         "gating": m.gating,
         "balance_coef": m.balance_coef,
-        "seed": cfg.train.seed,
+        "seed": t.seed,
+        "lr": t.lr,
+        "warmup_steps": t.warmup_steps,
+        "batch_tokens": t.batch_size * t.grad_accum * world_size * m.context,
+        "epochs": state.tokens / train_tokens,
+        "commit": commit,
         "skipped_steps": state.skipped_steps,
         "budget_source": budget.source,
         "wall_s": state.wall_s,
