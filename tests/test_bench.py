@@ -230,7 +230,7 @@ def test_quick_bench_smoke() -> None:
         "decode", "compile", "machine", "targets",
     ):
         assert key in res, key
-    assert _positive(res["matmul_peak_gflops"]["bf16"])
+    assert "bf16" not in res["matmul_peak_gflops"] or _positive(res["matmul_peak_gflops"]["bf16"])
     assert _positive(res["matmul_peak_gflops"]["fp32"])
     assert set(res["train_step"]) >= {"dense", "mod", "xmod_s4_c0125", "xmod_s8_c0125", "moe"}
     for name, fig in res["train_step"].items():
@@ -268,3 +268,20 @@ def test_bench_configs_are_what_the_bench_says() -> None:
     for name in ("mod", "xmod_s8_c0125"):
         gap = flops.count(cfgs[name]).flops_train / flops.count(dense).flops_train - 1
         assert abs(gap) < 0.15, name
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_it() -> None:
+    from xmodlm import hardware
+
+    zen4 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
+    zen3 = "processor\t: 0\nflags\t\t: fpu sse avx2 fma\n"
+    graviton3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+    assert hardware.native_bf16_in_cpuinfo(zen4)
+    assert not hardware.native_bf16_in_cpuinfo(zen3)
+    assert hardware.native_bf16_in_cpuinfo(graviton3)
+    assert not hardware.native_bf16_in_cpuinfo("")
+    cpu = torch.device("cpu")
+    assert hardware.resolve_dtype("fp32", cpu) == "fp32"
+    assert hardware.resolve_dtype("bf16", cpu) == "bf16"
+    expected = "bf16" if hardware.cpu_has_native_bf16() else "fp32"
+    assert hardware.resolve_dtype("auto", cpu) == expected

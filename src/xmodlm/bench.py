@@ -9,7 +9,9 @@ min and max; ratios are the median of the per-round ratios (a paired
 comparison), not a ratio of medians. Every model takes a warm-up step first.
 
 A step is what the trainer does per optimiser step: forward and backward under
-bf16 autocast (the total loss, auxiliary losses included), gradient clipping at
+the trainer's ``auto`` dtype (bf16 autocast where the device multiplies bf16
+natively, else fp32; :func:`xmodlm.hardware.resolve_dtype`; the total loss,
+auxiliary losses included), gradient clipping at
 1.0, AdamW (fused where the platform has it), ``zero_grad(set_to_none=True)``.
 On CUDA every timed region starts and ends with a device synchronise.
 
@@ -22,8 +24,8 @@ freed memory for reuse (:func:`xmodlm.hardware.retain_freed_memory`), as CUDA's 
 allocator does.
 
 MFU is model training FLOPs (``flops.count``: 3 x forward, matmuls only, as
-DESIGN 4 counts them) per second over the bf16 matmul throughput measured in the
-same round (``matmul_peak_gflops``), not a datasheet peak.
+DESIGN 4 counts them) per second over the matmul throughput in the steps'
+dtype measured in the same round (``matmul_peak_gflops``), not a datasheet peak.
 
 ``run_bench`` returns one JSON-able dict; ``xmod bench --json`` prints it. The
 method, the machine and the figures measured on it are in ``docs/benchmarks.md``.
@@ -31,6 +33,7 @@ method, the machine and the figures measured on it are in ``docs/benchmarks.md``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -45,9 +48,11 @@ from torch import nn
 from xmodlm import flops
 from xmodlm.config import ModelConfig, load_config
 from xmodlm.hardware import (
+    autocast_dtype,
     environment_record,
     measure_matmul_gflops,
     resolve_device,
+    resolve_dtype,
     retain_freed_memory,
 )
 from xmodlm.model import Transformer
@@ -150,8 +155,15 @@ def _make_step(
     device: torch.device,
     reference: bool,
 ) -> Callable[[], None]:
+    dtype = resolve_dtype("auto", device)
+    autocast = (
+        contextlib.nullcontext()
+        if dtype == "fp32"
+        else torch.autocast(device_type=device.type, dtype=autocast_dtype(dtype))
+    )
+
     def step() -> None:
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        with autocast:
             if reference:
                 _, loss = model(x, y)
             else:
@@ -257,8 +269,11 @@ def _interleave(
     so cases listed next to each other are timed next to each other and a slow
     drift in the machine's load cancels out of their ratio. Stops after
     ``min_reps`` rounds once ``deadline`` (a ``perf_counter`` time) has passed.
-    Returns the per-round bf16 and fp32 matmul throughputs (GFLOP/s).
+    Returns the per-round bf16 and fp32 matmul throughputs (GFLOP/s); bf16 is
+    measured only where the steps run in bf16 (emulated bf16 takes seconds a
+    matmul and is empty then).
     """
+    with_bf16 = resolve_dtype("auto", device) == "bf16"
     for case in cases:
         for _ in range(warmup):
             case.step()
@@ -267,7 +282,8 @@ def _interleave(
     peak_fp32: list[float] = []
     for r in range(reps):
         order = cases if r % 2 == 0 else cases[::-1]
-        peak_bf16.append(measure_matmul_gflops(torch.bfloat16, device, peak_n, tries=3))
+        if with_bf16:
+            peak_bf16.append(measure_matmul_gflops(torch.bfloat16, device, peak_n, tries=3))
         for case in order:
             case.times.append(_timed(case, device))
         peak_fp32.append(measure_matmul_gflops(torch.float32, device, peak_n, tries=3))
@@ -276,11 +292,13 @@ def _interleave(
     return peak_bf16, peak_fp32
 
 
-def _step_figures(case: Case, peak_bf16: list[float]) -> dict[str, Any]:
+def _step_figures(case: Case, peak: list[float]) -> dict[str, Any]:
+    """Time, throughput and MFU against ``peak``: the per-round matmul peak (GFLOP/s)
+    in the dtype the steps run in."""
     tok_s = [case.tokens_per_step / t for t in case.times]
     mfu = [
         case.flops_per_token * case.tokens_per_step / t / (p * 1e9)
-        for t, p in zip(case.times, peak_bf16, strict=True)
+        for t, p in zip(case.times, peak, strict=True)
     ]
     counts = flops.count(case.cfg)
     return {
@@ -508,7 +526,7 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run the benchmark and return one JSON-able dict of figures (see module docs).
 
-    ``device``: ``cpu`` or ``cuda`` (bf16 autocast on both). ``quick``: a smaller
+    ``device``: ``cpu`` or ``cuda`` (the ``auto`` dtype on both). ``quick``: a smaller
     model size and fewer rounds, under a minute on a 2-core CPU. ``reps``: timed
     rounds of the training-step comparison (default 5, quick 3; on CPU the full
     run stops after 3 once its time budget is spent, so that the whole bench
@@ -534,7 +552,7 @@ def run_bench(
     result: dict[str, Any] = {
         "device": dev.type,
         "quick": quick,
-        "dtype": "bf16 autocast, fp32 weights",
+        "dtype": f"{resolve_dtype('auto', dev)} compute, fp32 weights",
         "batch": batch,
         "context": dense_cfg.context,
         "d_model": dense_cfg.d_model,
@@ -585,12 +603,13 @@ def run_bench(
     peak_bf16, peak_fp32 = _interleave(order, reps, dev, warmup=1, peak_n=peak_n,
                                        deadline=deadline)
     result["matmul_peak_gflops"] = {
-        "bf16": _summary(peak_bf16),
+        **({"bf16": _summary(peak_bf16)} if peak_bf16 else {}),
         "fp32": _summary(peak_fp32),
         "n": peak_n,
     }
+    peak = peak_bf16 or peak_fp32  # the dtype the steps ran in
     result["train_step"] = {
-        name: {**_step_figures(timed[name], peak_bf16), "mode": timed[name].mode}
+        name: {**_step_figures(timed[name], peak), "mode": timed[name].mode}
         for name in ("dense", "mod", "xmod_s4_c0125", "xmod_s8_c0125", "moe", "dense_same_params")
     }
     dense_flops = flops.count(dense_cfg).flops_train
@@ -619,7 +638,7 @@ def run_bench(
         "modes": {"dense": dense.mode, "xmod": xmod.mode},
     }
     result["reference_gpt"] = {
-        **_step_figures(reference, peak_bf16),
+        **_step_figures(reference, peak),
         "dense_vs_reference": _ratios(reference, dense),
         "dense_mode": mode,
         "what": "xmodlm.reference_gpt.ReferenceGPT, eager: the dense shape written plainly"

@@ -28,7 +28,7 @@ GATINGS = ("logit", "sigmoid", "variance_scaled")
 CAUSAL_ROUTERS = ("bce", "predictor")
 MLPS = ("swiglu", "moe")
 SCHEDULES = ("cosine", "wsd", "constant")
-DTYPES = ("bf16", "fp32")
+DTYPES = ("auto", "bf16", "fp32")
 COMPILE_MODES = ("auto", "on", "off")
 
 
@@ -170,7 +170,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    dtype: str = "bf16"  # autocast dtype on CPU and GPU; weights stay fp32
+    dtype: str = "auto"  # autocast dtype; auto: bf16 where the hardware has it, else fp32
     compile: str = "off"  # auto | on | off
     device: str = "auto"  # auto | cpu | cuda
     eval_every: int = 100

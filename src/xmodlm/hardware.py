@@ -35,6 +35,41 @@ def autocast_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX-512/AMX, Arm
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (from /proc/cpuinfo; False if unknown).
+
+    Without it, bf16 matmuls are emulated: on an AVX2-only CPU a bf16 1024^3
+    matmul runs near 1 GFLOP/s against 150+ in fp32, and bf16 autocast training
+    about 10x slower than fp32.
+    """
+    try:
+        return native_bf16_in_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return False
+
+
+def native_bf16_in_cpuinfo(text: str) -> bool:
+    """Whether a /proc/cpuinfo text's first flags (x86) or Features (Arm) line names
+    a native bf16 instruction set."""
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return any(flag in line.split(":", 1)[1].split() for flag in NATIVE_BF16_CPU_FLAGS)
+    return False
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """``auto``: bf16 where the device multiplies it natively, else fp32."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if cpu_has_native_bf16() else "fp32"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -40,6 +40,7 @@ from xmodlm.hardware import (
     environment_record,
     matmul_peak_gflops,
     resolve_device,
+    resolve_dtype,
     retain_freed_memory,
 )
 from xmodlm.model import Transformer
@@ -333,7 +334,8 @@ def train(
     logger.truncate_after(state.step)
     wrapped = _wrap(model, cfg, ddp, device)
     counts = flops.count(cfg.model)
-    peak = matmul_peak_gflops(t.dtype, device.type) * 1e9 * ddp.world_size
+    dtype = resolve_dtype(t.dtype, device)
+    peak = matmul_peak_gflops(dtype, device.type) * 1e9 * ddp.world_size
     stop = _StopFlag()
     logger.start(budget.total_steps, state.step)
     status = "ok"
@@ -373,7 +375,7 @@ def train(
             logger.advance(record)
             # a sharded forward is collective: every rank evaluates, rank 0 logs
             if (ddp.is_main or sharded) and (state.step % t.eval_every == 0 or last):
-                state.last_eval = evaluate(model, fixed_val, device, t.dtype, manifest)
+                state.last_eval = evaluate(model, fixed_val, device, dtype, manifest)
                 logger.log({"step": state.step, "tokens": state.tokens, "kind": "eval",
                             **state.last_eval})
             if on_step is not None:
@@ -389,7 +391,8 @@ def train(
         logger.note(f"interrupted at step {state.step}: checkpoint written, rerun to resume")
     logger.close()
     summary = _summary(
-        cfg, state, counts, status, budget, len(train_data), ddp.world_size, env["git_commit"]
+        cfg, state, counts, status, budget, len(train_data), ddp.world_size, env["git_commit"],
+        dtype,
     )
     if ddp.is_main and status != "interrupted":
         ckpt_io.atomic_write_json(run / "summary.json", summary)
@@ -435,6 +438,7 @@ def _train_step(
 ) -> dict[str, Any]:
     """One optimiser step over ``grad_accum`` micro-batches; returns what to log."""
     t = cfg.train
+    dtype = resolve_dtype(t.dtype, device)
     loss_sum = torch.zeros((), device=device)
     aux_sums: dict[str, torch.Tensor] = {}
     for micro in range(t.grad_accum):
@@ -446,7 +450,7 @@ def _train_step(
         sync = micro == t.grad_accum - 1 or not hasattr(model, "no_sync")
         ctx = contextlib.nullcontext() if sync else model.no_sync()
         with ctx:
-            with _autocast(device, t.dtype):
+            with _autocast(device, dtype):
                 out = model(x, y)
             (out.total_loss / t.grad_accum).backward()
         loss_sum += out.loss.detach() / t.grad_accum
@@ -510,6 +514,7 @@ def _summary(
     train_tokens: int,
     world_size: int,
     commit: str | None,
+    dtype: str,
 ) -> dict[str, Any]:
     ev = state.last_eval
     m, t = cfg.model, cfg.train
@@ -541,6 +546,7 @@ def _summary(
         "lr": t.lr,
         "warmup_steps": t.warmup_steps,
         "batch_tokens": t.batch_size * t.grad_accum * world_size * m.context,
+        "dtype": dtype,
         "epochs": state.tokens / train_tokens,
         "commit": commit,
         "skipped_steps": state.skipped_steps,
