@@ -140,6 +140,15 @@ class ModelConfig:
         for key in ("balance_coef", "causal_coef", "moe_aux_coef", "moe_z_coef", "d_ff", "moe_d_ff"):
             if getattr(self, key) < 0:
                 raise UserError(f"model.{key}={getattr(self, key)}: must be >= 0")
+        if self.rope_theta <= 1.0:
+            raise UserError(
+                f"model.rope_theta={self.rope_theta}: must be > 1 (the rotary base; the"
+                " frequencies theta^(-2i/d) must fall with i)"
+            )
+        if self.norm_eps <= 0.0:
+            raise UserError(f"model.norm_eps={self.norm_eps}: must be > 0 (it keeps 1/rms finite)")
+        if self.init_std <= 0.0:
+            raise UserError(f"model.init_std={self.init_std}: must be > 0")
 
 
 @dataclass
@@ -148,6 +157,12 @@ class DataConfig:
 
     dir: str = "data/corpus"
     val_batches: int = 8  # fixed validation batches per evaluation
+
+    def validate(self) -> None:
+        if not self.dir.strip():
+            raise UserError("data.dir is empty: give the directory of `xmod data prepare --out`")
+        if self.val_batches < 1:
+            raise UserError(f"data.val_batches={self.val_batches}: must be an integer >= 1")
 
 
 @dataclass
@@ -183,7 +198,10 @@ class TrainConfig:
     wandb: bool = False
 
     def validate(self) -> None:
-        _positive(self, "batch_size", "grad_accum", "keep_last", "eval_every", "log_every")
+        _positive(self, "batch_size", "grad_accum", "keep_last", "eval_every", "log_every",
+                  "ckpt_every", "max_bad_steps")
+        if self.seed < 0:
+            raise UserError(f"train.seed={self.seed}: must be an integer >= 0")
         _choice(self, "schedule", SCHEDULES)
         _choice(self, "dtype", DTYPES)
         _choice(self, "compile", COMPILE_MODES)
@@ -196,6 +214,16 @@ class TrainConfig:
             raise UserError(f"train.cooldown_frac={self.cooldown_frac}: must be in [0, 1]")
         if not (0.0 <= self.min_lr_ratio <= 1.0):
             raise UserError(f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        for key in ("beta1", "beta2"):
+            if not (0.0 <= getattr(self, key) < 1.0):
+                raise UserError(
+                    f"train.{key}={getattr(self, key)}: must be in [0, 1) (an AdamW moment decay)"
+                )
+        if self.grad_clip <= 0.0:
+            raise UserError(
+                f"train.grad_clip={self.grad_clip}: must be > 0 (the largest gradient norm;"
+                " a huge value such as 1e9 leaves gradients unclipped)"
+            )
 
 
 @dataclass
@@ -208,7 +236,11 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> Config:
+        """Check every value before any work: finite numbers only, bounds of the maths."""
+        for section in (self.model, self.data, self.train):
+            _finite(section)
         self.model.validate()
+        self.data.validate()
         self.train.validate()
         return self
 
@@ -280,7 +312,12 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             return value
         raise UserError(f"{where}={value!r}: must be true or false")
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value != int(value)
+        ):
             raise UserError(f"{where}={value!r}: must be an integer")
         return int(value)
     if tp is float:
@@ -296,15 +333,27 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
+def _section(obj: Any) -> str:
+    return {ModelConfig: "model", DataConfig: "data"}.get(type(obj), "train")
+
+
+def _finite(obj: Any) -> None:
+    """Every number of a section is finite: nan and inf pass a range check by accident."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{_section(obj)}.{f.name}={value}: must be a finite number")
+
+
 def _positive(obj: Any, *keys: str) -> None:
-    section = "model" if isinstance(obj, ModelConfig) else "train"
+    section = _section(obj)
     for key in keys:
         if getattr(obj, key) < 1:
             raise UserError(f"{section}.{key}={getattr(obj, key)}: must be an integer >= 1")
 
 
 def _choice(obj: Any, key: str, allowed: tuple[str, ...]) -> None:
-    section = "model" if isinstance(obj, ModelConfig) else "train"
+    section = _section(obj)
     if getattr(obj, key) not in allowed:
         raise UserError(f"{section}.{key}={getattr(obj, key)!r}: must be one of {', '.join(allowed)}")
 
@@ -339,7 +388,10 @@ def _read_yaml(name_or_path: str | Path) -> dict[str, Any]:
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise UserError(f"config file {str(path)!r} not found")
-        text = path.read_text()
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"config file {str(path)!r} is not UTF-8 text (a binary file?)") from None
     else:
         res = resources.files("xmodlm") / "configs" / f"{name_or_path}.yaml"
         if not res.is_file():
@@ -348,12 +400,18 @@ def _read_yaml(name_or_path: str | Path) -> dict[str, Any]:
                 f" {', '.join(preset_names())}"
             )
         text = res.read_text()
+    if not text.strip(" \t\r\n"):
+        raise UserError(
+            f"config {str(name_or_path)!r} is empty: give at least `base: PRESET` or a model section"
+        )
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
         line = getattr(getattr(err, "problem_mark", None), "line", None)
         at = f" (line {line + 1})" if line is not None else ""
         raise UserError(f"config {str(name_or_path)!r} is not valid YAML{at}") from None
+    if raw is None:
+        raise UserError(f"config {str(name_or_path)!r} holds no settings (only comments)")
     if not isinstance(raw, dict):
         raise UserError(f"config {str(name_or_path)!r}: top level must be a mapping")
     return raw
