@@ -47,6 +47,32 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path, directory: bool = False) -> None:
+    """Give ``path`` the mode a plain ``open``/``mkdir`` would (``mkdtemp`` makes 0700 and
+    safetensors 0600 files, whatever the umask)."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
+def abandoned_tmp_dirs(run_dir: Path) -> list[Path]:
+    """``ckpt/.tmp_step_*`` folders of checkpoints whose writer was killed mid-write."""
+    root = Path(run_dir) / CKPT_DIR
+    return sorted(p for p in root.glob(".tmp_step_*") if p.is_dir()) if root.is_dir() else []
+
+
+def clean_abandoned(run_dir: Path) -> list[Path]:
+    """Remove abandoned temporary checkpoint folders (call only while holding the run's lock)."""
+    found = abandoned_tmp_dirs(run_dir)
+    for tmp in found:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return found
+
+
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
     root = Path(run_dir) / CKPT_DIR
@@ -74,11 +100,13 @@ def save_checkpoint(
     final = root / f"step_{step:08d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp_step_{step:08d}_"))
     try:
+        follow_umask(tmp, directory=True)
         full = model if isinstance(model, dict) else model.state_dict()
         weights = {k: v.detach().contiguous().cpu() for k, v in full.items()}
         save_file(_untie(weights), str(tmp / "model.safetensors"))
         torch.save(state, tmp / "state.pt")
         for name in ("model.safetensors", "state.pt"):
+            follow_umask(tmp / name)
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         atomic_write_json(tmp / "meta.json", {**meta, "step": step})
@@ -86,6 +114,9 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(root)
+    except OSError as err:  # a full disk, a read-only or revoked file system: name the place
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(err.errno, err.strerror or str(err), err.filename or str(final)) from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

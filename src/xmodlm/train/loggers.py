@@ -41,11 +41,14 @@ class MetricLogger:
         """On resume, drop records past the checkpoint so no step is logged twice."""
         if not self.enabled or not self.path.is_file():
             return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
+        kept = []
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # torn by a kill mid-write (the last line), or blank
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line)
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def start(self, total_steps: int, initial: int) -> None:

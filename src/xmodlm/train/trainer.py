@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from xmodlm.hardware import (
 )
 from xmodlm.model import Transformer
 from xmodlm.train import checkpoint as ckpt_io
+from xmodlm.train.lock import run_lock
 from xmodlm.train.loggers import MetricLogger
 from xmodlm.train.optim import build_optimizer, lr_at
 
@@ -222,15 +224,41 @@ def _check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
         )
 
 
+def _writer_lock(run: Path, is_main: bool) -> contextlib.AbstractContextManager[Any]:
+    """Rank 0 holds the run directory's lock; other ranks write nothing."""
+    if not is_main:
+        return contextlib.nullcontext()
+    return run_lock(run, note=lambda msg: print(msg, file=sys.stderr))
+
+
+def _clear_run(run: Path, restart: bool) -> None:
+    """Under the lock: remove checkpoints abandoned by a killed writer; on ``restart``,
+    everything a previous attempt left (checkpoints, metrics, summary)."""
+    for tmp in ckpt_io.clean_abandoned(run):
+        print(f"removed {tmp}, a checkpoint whose writer was stopped mid-write", file=sys.stderr)
+    if restart:
+        shutil.rmtree(run / ckpt_io.CKPT_DIR, ignore_errors=True)
+        for name in ("metrics.jsonl", "summary.json"):
+            (run / name).unlink(missing_ok=True)
+
+
 def _restore(
     run: Path,
     model: nn.Module,
     opt: torch.optim.Optimizer,
     log: Callable[[str], None],
     sharded: bool = False,
+    restart: bool = False,
 ) -> TrainState | None:
-    """Load the newest checkpoint that loads; name and skip any that do not."""
-    for ckpt in reversed(ckpt_io.checkpoint_dirs(run)):
+    """Load the newest checkpoint that loads; name and skip any that do not.
+
+    None when the run has no checkpoint. When it has some and none loads, training
+    from step 0 would silently throw the run away: that is a UserError unless
+    ``restart``.
+    """
+    ckpts = ckpt_io.checkpoint_dirs(run)
+    first_error = None
+    for left, ckpt in reversed(list(enumerate(ckpts))):
         try:
             ckpt_io.load_model_weights(
                 ckpt, model, load=_sharded_loader(model) if sharded else None
@@ -238,13 +266,20 @@ def _restore(
             state = ckpt_io.load_state(ckpt)
             _load_optimizer(model, opt, state["optimizer"], sharded)
         except (UserError, KeyError, ValueError) as err:
-            log(f"checkpoint {ckpt} is unusable ({err}); trying the previous one")
+            if left:  # the last failure is the error below, not a note
+                log(f"checkpoint {ckpt} is unusable ({err}); trying the previous one")
+            first_error = first_error or f"{ckpt.name}: {err}"
             continue
         torch.set_rng_state(state["rng_cpu"])
         if torch.cuda.is_available() and state.get("rng_cuda") is not None:
             torch.cuda.set_rng_state_all(state["rng_cuda"])
         log(f"resumed from {ckpt}")
         return TrainState(**state["train_state"])
+    if ckpts and not restart:
+        raise UserError(
+            f"run directory {str(run)!r}: none of its {len(ckpts)} checkpoint(s) loads"
+            f" ({first_error}): rerun with --restart to train it from step 0"
+        )
     return None
 
 
@@ -292,11 +327,16 @@ def train(
     run_dir: str | Path,
     progress: bool = True,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    restart: bool = False,
 ) -> dict[str, Any]:
     """Train ``cfg`` into ``run_dir`` (resuming if it holds checkpoints).
 
     Returns the summary (``status`` is ``ok``, ``diverged`` or ``interrupted``).
-    ``on_step(step, record)`` is called after every optimiser step.
+    ``on_step(step, record)`` is called after every optimiser step. The run
+    directory is locked for the whole run (one writer; see :mod:`xmodlm.train.lock`).
+    If the run has checkpoints and none of them loads, this stops with a
+    :class:`UserError` unless ``restart``; ``restart`` discards the run's
+    checkpoints, metrics and summary and trains from step 0.
     """
     cfg.validate()
     run = Path(run_dir)
@@ -315,88 +355,96 @@ def train(
     train_data.check_context(cfg.model.context)
     fixed_val = val_batches(val_data, cfg.data.val_batches, t.batch_size, cfg.model.context)
 
-    _prepare_run_dir(cfg, run, ddp.is_main)
-    env = environment_record()  # the code this start runs (a sweep may outlive a commit)
-    logger = MetricLogger(run, cfg, enabled=ddp.is_main, progress=progress)
-    if ddp.is_main:
-        tok = Path(cfg.data.dir) / "tokenizer.json"
-        if tok.is_file():
-            shutil.copyfile(tok, run / "tokenizer.json")
-        ckpt_io.atomic_write_json(run / "env.json", {**env, "allocator": allocator})
+    # one writer per run directory: a second `xmod train` on it is refused
+    with _writer_lock(run, ddp.is_main):
+        _prepare_run_dir(cfg, run, ddp.is_main)
+        if ddp.is_main:
+            _clear_run(run, restart)
+        env = environment_record()  # the code this start runs (a sweep may outlive a commit)
+        logger = MetricLogger(run, cfg, enabled=ddp.is_main, progress=progress)
+        if ddp.is_main:
+            tok = Path(cfg.data.dir) / "tokenizer.json"
+            if tok.is_file():
+                shutil.copyfile(tok, run / "tokenizer.json")
+            ckpt_io.atomic_write_json(run / "env.json", {**env, "allocator": allocator})
 
-    torch.manual_seed(t.seed)
-    model = Transformer(cfg.model).to(device)
-    sharded = ddp.world_size > 1 and t.fsdp
-    if sharded:
-        _shard(model)  # before the optimiser: FSDP2 replaces the parameters
-    opt = build_optimizer(model, t)
-    state = _restore(run, model, opt, logger.note, sharded) or TrainState()
-    logger.truncate_after(state.step)
-    wrapped = _wrap(model, cfg, ddp, device)
-    counts = flops.count(cfg.model)
-    dtype = resolve_dtype(t.dtype, device)
-    peak = matmul_peak_gflops(dtype, device.type) * 1e9 * ddp.world_size
-    stop = _StopFlag()
-    logger.start(budget.total_steps, state.step)
-    status = "ok"
-    t_run = time.perf_counter() - state.wall_s
-    with stop.installed():
-        while state.step < budget.total_steps:
-            t0 = time.perf_counter()
-            lr = lr_at(state.step, budget.total_steps, t)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            record = _train_step(wrapped, opt, train_data, cfg, state.step, ddp, device)
-            finite = math.isfinite(record["loss"])
-            if finite:
-                state.bad_steps = 0
-            else:
-                state.bad_steps += 1
-                state.skipped_steps += 1
-                logger.note(f"step {state.step}: non-finite loss, step skipped")
-                if state.bad_steps >= t.max_bad_steps:
-                    status = "diverged"
+        torch.manual_seed(t.seed)
+        model = Transformer(cfg.model).to(device)
+        sharded = ddp.world_size > 1 and t.fsdp
+        if sharded:
+            _shard(model)  # before the optimiser: FSDP2 replaces the parameters
+        opt = build_optimizer(model, t)
+        state = _restore(run, model, opt, logger.note, sharded, restart) or TrainState()
+        logger.truncate_after(state.step)
+        wrapped = _wrap(model, cfg, ddp, device)
+        counts = flops.count(cfg.model)
+        dtype = resolve_dtype(t.dtype, device)
+        peak = matmul_peak_gflops(dtype, device.type) * 1e9 * ddp.world_size
+        stop = _StopFlag()
+        logger.start(budget.total_steps, state.step)
+        status = "ok"
+        t_run = time.perf_counter() - state.wall_s
+        with stop.installed():
+            while state.step < budget.total_steps:
+                t0 = time.perf_counter()
+                lr = lr_at(state.step, budget.total_steps, t)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                record = _train_step(wrapped, opt, train_data, cfg, state.step, ddp, device)
+                finite = math.isfinite(record["loss"])
+                if finite:
+                    state.bad_steps = 0
+                else:
+                    state.bad_steps += 1
+                    state.skipped_steps += 1
+                    logger.note(f"step {state.step}: non-finite loss, step skipped")
+                    if state.bad_steps >= t.max_bad_steps:
+                        status = "diverged"
+                        break
+                state.step += 1
+                state.tokens += budget.tokens_per_step
+                dt = time.perf_counter() - t0
+                state.wall_s = time.perf_counter() - t_run
+                record.update(
+                    step=state.step,
+                    tokens=state.tokens,
+                    lr=lr,
+                    step_s=dt,
+                    tokens_per_s=budget.tokens_per_step / dt,
+                    mfu=counts.flops_train * budget.tokens_per_step / dt / peak,
+                )
+                last = state.step == budget.total_steps
+                if state.step % t.log_every == 0 or last or not finite:
+                    logger.log(record)
+                logger.advance(record)
+                # a sharded forward is collective: every rank evaluates, rank 0 logs
+                if (ddp.is_main or sharded) and (state.step % t.eval_every == 0 or last):
+                    state.last_eval = evaluate(model, fixed_val, device, dtype, manifest)
+                    logger.log({"step": state.step, "tokens": state.tokens, "kind": "eval",
+                                **state.last_eval})
+                if on_step is not None:
+                    on_step(state.step, record)
+                if stop.signum is not None:
+                    status = "interrupted"
                     break
-            state.step += 1
-            state.tokens += budget.tokens_per_step
-            dt = time.perf_counter() - t0
-            state.wall_s = time.perf_counter() - t_run
-            record.update(
-                step=state.step,
-                tokens=state.tokens,
-                lr=lr,
-                step_s=dt,
-                tokens_per_s=budget.tokens_per_step / dt,
-                mfu=counts.flops_train * budget.tokens_per_step / dt / peak,
-            )
-            last = state.step == budget.total_steps
-            if state.step % t.log_every == 0 or last or not finite:
-                logger.log(record)
-            logger.advance(record)
-            # a sharded forward is collective: every rank evaluates, rank 0 logs
-            if (ddp.is_main or sharded) and (state.step % t.eval_every == 0 or last):
-                state.last_eval = evaluate(model, fixed_val, device, dtype, manifest)
-                logger.log({"step": state.step, "tokens": state.tokens, "kind": "eval",
-                            **state.last_eval})
-            if on_step is not None:
-                on_step(state.step, record)
-            if stop.signum is not None:
-                status = "interrupted"
-                break
-            if state.step % t.ckpt_every == 0 or last:
-                _save(run, model, opt, state, cfg, ddp, sharded)
-    state.wall_s = time.perf_counter() - t_run
-    if status == "interrupted":
-        _save(run, model, opt, state, cfg, ddp, sharded)
-        logger.note(f"interrupted at step {state.step}: checkpoint written, rerun to resume")
-    logger.close()
-    summary = _summary(
-        cfg, state, counts, status, budget, len(train_data), ddp.world_size, env["git_commit"],
-        dtype,
-    )
-    if ddp.is_main and status != "interrupted":
-        ckpt_io.atomic_write_json(run / "summary.json", summary)
-    return summary
+                if state.step % t.ckpt_every == 0 or last:
+                    _save(run, model, opt, state, cfg, ddp, sharded)
+        state.wall_s = time.perf_counter() - t_run
+        final_loss = state.last_eval.get("val_loss_topk")
+        if status == "ok" and final_loss is not None and not math.isfinite(final_loss):
+            status = "diverged"  # every step was finite, yet the model no longer is
+            logger.note(f"step {state.step}: validation loss is {final_loss}: run diverged")
+        if status == "interrupted":
+            _save(run, model, opt, state, cfg, ddp, sharded)
+            logger.note(f"interrupted at step {state.step}: checkpoint written, rerun to resume")
+        logger.close()
+        summary = _summary(
+            cfg, state, counts, status, budget, len(train_data), ddp.world_size, env["git_commit"],
+            dtype,
+        )
+        if ddp.is_main and status != "interrupted":
+            ckpt_io.atomic_write_json(run / "summary.json", summary)
+        return summary
 
 
 def _shard(model: Transformer) -> None:
@@ -556,8 +604,15 @@ def _summary(
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl (train and eval)."""
+    """All records of a run's metrics.jsonl (train and eval); a torn line (the writer
+    was killed mid-write) is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records
