@@ -1,8 +1,12 @@
-"""The results table: one row per finished run, in the run-record schema the law reads.
+"""The results table: one row per finished, diverged or failed run, in the run-record
+schema the law reads.
 
-Rows come from each run's ``summary.json``. Runs that are unfinished, failed or
-whose summary is unreadable or incomplete are *reported* and left out, never
-silently used.
+Rows come from each run's ``summary.json``; a failed run (``failure.json``, no
+summary) is a row built from its configuration with status ``failed`` and the
+tail of its error in ``error``; a diverged run is a row with status
+``diverged``. The law reads only rows whose status says finished (``ok``), so
+those rows are records, never data. Runs that are unfinished, or whose summary
+is unreadable, are *reported* and left out, never silently used.
 """
 
 from __future__ import annotations
@@ -24,42 +28,90 @@ COLUMNS = [
 ]
 EXTRA = [
     "run_id", "val_loss_causal", "routing_agreement", "wall_s",
-    "steps", "batch_tokens", "lr", "warmup_steps", "epochs", "layout", "commit",
+    "steps", "batch_tokens", "lr", "warmup_steps", "epochs", "layout", "commit", "error",
 ]
+ERROR_LINES = 3  # lines of a failed run's error tail kept in the ``error`` column
+
+
+def _config_row(run_dir: Path) -> dict[str, Any]:
+    """The configuration columns of a run without a summary (it failed before writing one)."""
+    from xmodlm import flops
+    from xmodlm.config import load_config
+
+    for name in ("config.yaml", "sweep_config.yaml"):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        try:
+            cfg = load_config(path)
+        except (UserError, OSError):
+            continue
+        m, c = cfg.model, flops.count(cfg.model)
+        return {
+            "family": m.family, "width": m.d_model, "n_layers": m.n_layers, "stride": m.stride,
+            "capacity": m.capacity, "context": m.context, "gating": m.gating,
+            "balance_coef": m.balance_coef, "params_total": c.params_total,
+            "params_active": c.params_active, "flops_per_token": c.flops_train,
+            "compute": cfg.train.compute or None, "seed": cfg.train.seed, "lr": cfg.train.lr,
+            "warmup_steps": cfg.train.warmup_steps, "layout": m.block_layout,
+        }
+    return {}
+
+
+def _failed_row(run_dir: Path) -> dict[str, Any]:
+    try:
+        failure = json.loads((run_dir / "failure.json").read_text())
+        tail = str(failure.get("error_tail", "")) if isinstance(failure, dict) else ""
+    except (OSError, ValueError):
+        tail = "failure.json unreadable"
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    error = " | ".join(lines[-ERROR_LINES:]) or "failed (no error output)"
+    return {**_config_row(run_dir), "status": "failed", "run_id": run_dir.name, "error": error}
 
 
 def _row(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     path = run_dir / "summary.json"
     if not path.is_file():
-        failed = (run_dir / "failure.json").is_file()
-        return None, "failed" if failed else "unfinished"
+        if (run_dir / "failure.json").is_file():
+            return _failed_row(run_dir), None
+        return None, "unfinished"
     try:
         s = json.loads(path.read_text())
     except ValueError:
         return None, "corrupt summary.json"
-    needed = ["final_val_loss", "tokens", "flops_per_token", "params_active", "status"]
-    if any(s.get(k) is None for k in needed):
+    if not isinstance(s, dict):
+        return None, "corrupt summary.json"
+    error = None
+    loss = s.get("final_val_loss")
+    if s.get("status") == "diverged":
+        error = f"diverged: {s.get('skipped_steps')} non-finite step(s) by step {s.get('steps')}"
+    elif isinstance(loss, (int, float)) and not math.isfinite(loss):
+        s = {**s, "status": "diverged"}
+        error = f"diverged: validation loss {loss}"
+    needed = ["tokens", "flops_per_token", "params_active", "status", "family"]
+    numbers = [s.get(k) for k in ("tokens", "flops_per_token")]
+    if (any(s.get(k) is None for k in needed) or (error is None and loss is None)
+            or not all(isinstance(v, (int, float)) for v in numbers)):
         return None, "incomplete summary.json"
-    if not math.isfinite(float(s["final_val_loss"])):
-        return None, "non-finite loss"
     row = {
-        "family": s["family"], "width": s["width"], "n_layers": s["n_layers"],
-        "stride": s["stride"], "capacity": s["capacity"], "context": s["context"],
-        "gating": s["gating"], "balance_coef": s["balance_coef"],
-        "params_total": s["params_total"], "params_active": s["params_active"],
-        "flops_per_token": s["flops_per_token"], "tokens": s["tokens"],
-        "compute": s["flops_per_token"] * s["tokens"], "seed": s["seed"],
-        "val_loss": s["final_val_loss"], "val_bpb": s["val_bpb"], "status": s["status"],
+        "family": s.get("family"), "width": s.get("width"), "n_layers": s.get("n_layers"),
+        "stride": s.get("stride"), "capacity": s.get("capacity"), "context": s.get("context"),
+        "gating": s.get("gating"), "balance_coef": s.get("balance_coef"),
+        "params_total": s.get("params_total"), "params_active": s.get("params_active"),
+        "flops_per_token": s["flops_per_token"], "tokens": s.get("tokens"),
+        "compute": s["flops_per_token"] * s["tokens"], "seed": s.get("seed"),
+        "val_loss": loss, "val_bpb": s.get("val_bpb"), "status": s.get("status"),
         "run_id": run_dir.name, "val_loss_causal": s.get("final_val_loss_causal"),
         "routing_agreement": s.get("routing_agreement"), "wall_s": s.get("wall_s"),
         **{k: s.get(k) for k in ("steps", "batch_tokens", "lr", "warmup_steps", "epochs",
                                  "layout", "commit")},
+        "error": error,
     }
     return row, None
 
 
 def collect_results(sweep_dir: str | Path) -> tuple[pd.DataFrame, dict[str, str]]:
-    """(table of finished runs, {run_id: why it was left out})."""
+    """(table of finished, diverged and failed runs, {run_id: why it was left out})."""
     root = Path(sweep_dir)
     runs_root = root / "runs" if (root / "runs").is_dir() else root
     if not runs_root.is_dir():

@@ -20,6 +20,7 @@ Executors hand runs to an engine and do no scheduling of their own:
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -36,6 +37,105 @@ from xmodlm.train.checkpoint import atomic_write_json, atomic_write_text
 
 EXECUTORS = ("local", "ray", "slurm")
 ERROR_TAIL_LINES = 20
+
+# value kinds of a spec's family keys, checked before expansion (see check_spec)
+_INT_KEYS = {"stride": 1, "n_experts": 1, "moe_top_k": 1, "warmup_steps": 0}
+_NUMBER_KEYS = {"balance_coef", "causal_coef", "moe_aux_coef", "moe_z_coef", "lr"}
+_STRING_KEYS = {"gating", "causal_router", "anchors"}
+
+
+def _number(value: Any, where: str) -> float:
+    """A finite number; a string YAML 1.1 left unparsed ("1e-3") is read as one."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise UserError(f"sweep spec: {where}={value!r}: must be a number") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(f"sweep spec: {where}={value!r}: must be a finite number")
+    return value
+
+
+def _integer(value: Any, where: str, least: int) -> int:
+    number = _number(value, where)
+    if number != int(number) or number < least:
+        raise UserError(f"sweep spec: {where}={value!r}: must be an integer >= {least}")
+    return int(number)
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Check the values of a loaded spec before expansion; return it with numbers that
+    YAML left as strings ("3e12") read as numbers. Every fault is one UserError line."""
+    out = dict(spec)
+    compute = [_number(c, "compute") for c in _listed(spec["compute"])]
+    if any(c <= 0 for c in compute):
+        raise UserError(f"sweep spec: compute={spec['compute']!r}: budgets must be > 0 FLOPs")
+    out["compute"] = compute
+    if spec.get("context") is not None:
+        out["context"] = [_integer(t, "context", 1) for t in _listed(spec["context"])]
+    if "seeds" in spec:
+        out["seeds"] = [_integer(s, "seeds", 0) for s in _listed(spec["seeds"])]
+    for key in ("name", "base"):
+        if key in spec and not isinstance(spec[key], str):
+            raise UserError(f"sweep spec: {key}={spec[key]!r}: must be a string")
+    if any(not isinstance(item, str) for item in _listed(spec.get("set", []))):
+        raise UserError("sweep spec: set must be a list of key.path=value strings")
+    dense = []
+    for ref in _listed(spec["dense"]):
+        if not isinstance(ref, dict) or not {"width", "n_layers"} <= set(ref):
+            raise UserError("sweep spec: each dense entry needs width and n_layers")
+        dense.append({k: _integer(v, f"dense.{k}", 1) if k in ("width", "n_layers", "n_heads")
+                      else v for k, v in ref.items()})
+    out["dense"] = dense
+    families = []
+    for entry in _listed(spec["families"]):
+        if not isinstance(entry, dict):
+            raise UserError(f"sweep spec: families entry {entry!r}: must be a mapping with a family")
+        name = entry.get("family")
+        fam = {}
+        for key, value in entry.items():
+            where = f"families.{name}.{key}"
+            values = _listed(value)
+            if key in _INT_KEYS:
+                values = [_integer(v, where, _INT_KEYS[key]) for v in values]
+            elif key == "capacity":
+                values = [_number(v, where) for v in values]
+                if any(not 0 < v <= 1 for v in values):
+                    raise UserError(f"sweep spec: {where}={value!r}: must be in (0, 1]")
+            elif key in _NUMBER_KEYS:
+                values = [_number(v, where) for v in values]
+                if any(v < 0 for v in values):
+                    raise UserError(f"sweep spec: {where}={value!r}: must be >= 0")
+            elif key in _STRING_KEYS and any(not isinstance(v, str) for v in values):
+                raise UserError(f"sweep spec: {where}={value!r}: must be a string")
+            fam[key] = values if isinstance(value, list) else values[0]
+        families.append(fam)
+    out["families"] = families
+    return out
+
+
+def check_options(executor: str, workers: int | None, max_retries: int) -> None:
+    """Options of a sweep, checked before any run starts."""
+    if executor not in EXECUTORS:
+        raise UserError(f"executor {executor!r} unknown; allowed: {', '.join(EXECUTORS)}")
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers {workers}: must be >= 1 (concurrent runs)")
+    if max_retries < 0:
+        raise UserError(f"--max-retries {max_retries}: must be >= 0")
+
+
+def check_data(runs: list[RunSpec]) -> None:
+    """Each distinct data directory of the runs, checked once before any run starts
+    (rather than found missing by every run in turn)."""
+    from xmodlm.data.batches import load_split
+
+    for data_dir in sorted({r.cfg.data.dir for r in runs}):
+        for split in ("train", "val"):
+            load_split(data_dir, split)
 
 
 @dataclass(frozen=True)
@@ -131,9 +231,13 @@ def run_sweep(
     slurm_params: dict[str, Any] | None = None,
     slurm_local: bool = False,
 ) -> dict[str, Any]:
-    """Run every unfinished run of a sweep; return counts and each run's outcome."""
-    if executor not in EXECUTORS:
-        raise UserError(f"executor {executor!r} unknown; allowed: {', '.join(EXECUTORS)}")
+    """Run every unfinished run of a sweep; return counts and each run's outcome.
+
+    Options and data directories are checked before any run starts. A diverged
+    run is finished (rerunning it would diverge again) but counted apart.
+    """
+    check_options(executor, workers, max_retries)
+    check_data(runs)
     out = Path(out_dir)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
@@ -164,7 +268,8 @@ def run_sweep(
         bar.update(bar.running)
     bar.close()
     return {"total": len(runs), "skipped": done, "ran": len(outcomes),
-            "failed": sum(o["status"] == "failed" for o in outcomes), "outcomes": outcomes}
+            "failed": sum(o["status"] == "failed" for o in outcomes),
+            "diverged": sum(o["status"] == "diverged" for o in outcomes), "outcomes": outcomes}
 
 
 Submit = Callable[[list[Job], Progress], Iterable[dict[str, Any]]]
