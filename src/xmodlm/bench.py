@@ -47,6 +47,7 @@ from torch import nn
 
 from xmodlm import flops
 from xmodlm.config import ModelConfig, load_config
+from xmodlm.errors import UserError
 from xmodlm.hardware import (
     autocast_dtype,
     environment_record,
@@ -535,6 +536,8 @@ def run_bench(
     mode that won (default on, off in quick mode where compiling would
     dominate; off means everything eager). ``progress``: say what runs on stderr.
     """
+    if reps is not None and (isinstance(reps, bool) or not isinstance(reps, int) or reps < 1):
+        raise UserError(f"reps={reps!r}: must be an integer >= 1 (timed rounds)")
     t_start = time.perf_counter()
     say = _log if progress else (lambda msg: None)
     dev = resolve_device(device)

@@ -1,15 +1,28 @@
 """The ``xmod`` command: thin wrappers over library functions.
 
 Each subcommand parses its arguments, calls one library function and prints the
-result. A :class:`~xmodlm.errors.UserError` becomes one line on stderr and exit
-status 2; so does an argument the parser rejects.
+result. :func:`main` is the error boundary:
+
+* expected failures are one line on stderr and exit status 2: an argument the
+  parser rejects, a :class:`~xmodlm.errors.UserError` (bad value, bad file, bad
+  spec), and an ``OSError`` of the machine (a full disk, a read-only file system,
+  a missing permission), named with its path and cause;
+* anything else is a bug of ours: one line saying so and where the full trace was
+  written (``error.log`` in the run directory of ``xmod train``, else a temporary
+  file), exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import math
+import os
+import re
 import sys
+import tempfile
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +50,66 @@ def _json_default(obj: Any) -> Any:
     if hasattr(obj, "__fspath__"):
         return str(obj)
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def _finite(text: str) -> float:
+    """argparse type: a finite number (``float`` alone accepts nan and inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number")
+    return value
+
+
+def _check_device(name: str) -> str:
+    """``--device`` of eval, generate, show-routing and lm-eval: cpu, cuda, cuda:N or auto,
+    and CUDA only where it is available."""
+    if name not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", name):
+        raise UserError(f"--device {name!r}: must be cpu, cuda, cuda:N or auto")
+    from xmodlm.hardware import resolve_device
+
+    return str(resolve_device(name))
+
+
+def _check_text(text: str, flag: str) -> str:
+    """Text from the command line must be UTF-8 (invalid bytes arrive as surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{flag} is not valid UTF-8 text") from None
+    return text
+
+
+def _blocking_file(path: Path) -> Path | None:
+    """The first existing non-directory among ``path``'s parents (a path under a file)."""
+    for parent in reversed(path.parents):
+        if parent.exists() and not parent.is_dir():
+            return parent
+    return None
+
+
+def _check_out_dir(path: str | Path, flag: str = "--out") -> Path:
+    """An output directory: absent (it is created) or a directory, never under a file."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{flag} {str(out)!r} is a file, not a directory")
+    blocker = _blocking_file(out)
+    if blocker is not None:
+        raise UserError(f"{flag} {str(out)!r}: {str(blocker)!r} is a file, not a directory")
+    return out
+
+
+def _check_out_file(path: str | Path, flag: str = "--out") -> Path:
+    """An output file: not a directory, and its folder not under a file."""
+    out = Path(path)
+    if out.is_dir():
+        raise UserError(f"{flag} {str(out)!r} is a directory; give a file name")
+    blocker = _blocking_file(out)
+    if blocker is not None:
+        raise UserError(f"{flag} {str(out)!r}: {str(blocker)!r} is a file, not a directory")
+    return out
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -79,6 +152,9 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
     from xmodlm.data.prepare import prepare
 
+    _check_out_dir(args.out)
+    if args.vocab_size < 1:
+        raise UserError(f"--vocab-size {args.vocab_size}: must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     manifest = prepare(
         args.out,
@@ -102,7 +178,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from xmodlm.train.trainer import train
 
     cfg = load_config(args.config, args.overrides)
-    summary = train(cfg, args.out, progress=not args.quiet)
+    _check_out_dir(args.out)
+    summary = train(cfg, args.out, progress=not args.quiet, restart=args.restart)
     if args.json:
         _print_json(summary)
     else:
@@ -117,6 +194,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from xmodlm.demo import format_rows, run_demo
 
+    _check_out_dir(args.out)
+    if args.compute <= 0:
+        raise UserError(f"--compute {args.compute}: must be > 0 FLOPs")
     rows = run_demo(args.data, args.out, args.compute)
     print()
     print(f"Compute-matched at C = {args.compute:.3g} training FLOPs per model:")
@@ -126,9 +206,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from xmodlm.sweep import expand, load_spec, run_sweep, write_results
+    from xmodlm.sweep.runner import check_options, check_spec
     from xmodlm.sweep.spec import estimate_seconds
 
-    runs = expand(load_spec(args.spec), data_dir=args.data)
+    check_options(args.executor, args.workers, args.max_retries)
+    if Path(args.spec).is_file():
+        try:
+            Path(args.spec).read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"sweep spec {args.spec!r} is not UTF-8 text (a binary file?)") from None
+    if not args.dry_run:
+        _check_out_dir(args.out)
+    runs = expand(check_spec(load_spec(args.spec)), data_dir=args.data)
     if args.dry_run:
         import pandas as pd
 
@@ -147,7 +236,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         slurm_local=args.slurm_local,
     )
     path, n_rows, left_out = write_results(args.out)
-    print(f"{result['ran']} ran, {result['skipped']} already done, {result['failed']} failed;"
+    print(f"{result['ran']} ran, {result['skipped']} already done, {result['failed']} failed,"
+          f" {result['diverged']} diverged;"
           f" {n_rows} rows in {path}" + (f" ({len(left_out)} left out)" if left_out else ""))
     return 1 if result["failed"] else 0
 
@@ -155,6 +245,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_results(args: argparse.Namespace) -> int:
     from xmodlm.sweep import write_results
 
+    if args.out:
+        _check_out_file(args.out)
     path, n_rows, left_out = write_results(args.sweep_dir, args.out)
     for run_id, why in sorted(left_out.items()):
         print(f"left out {run_id}: {why}", file=sys.stderr)
@@ -165,10 +257,12 @@ def cmd_results(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from xmodlm.model.generate import generate_from_run
 
+    for prompt in args.prompt:
+        _check_text(prompt, "--prompt")
     texts = generate_from_run(
         args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        device=args.device,
+        device=_check_device(args.device),
     )
     for prompt, text in zip(args.prompt, texts, strict=True):
         if args.json:
@@ -184,24 +278,38 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
     from xmodlm.law.fit import fit_law
     from xmodlm.law.table import read_table
 
+    if args.out:
+        _check_out_file(args.out)
+    if args.plots:
+        _check_out_dir(args.plots, "--plots")
     fit = fit_law(read_table(args.results), form=args.form, holdout=args.holdout,
-                  n_boot=args.n_boot, seed=args.seed)
-    payload = fit.to_json()
+                  n_boot=args.n_boot, seed=args.seed, loss=args.loss,
+                  min_steps=args.min_steps, family=args.family)
     if args.out:
         from xmodlm.train.checkpoint import atomic_write_json
 
-        atomic_write_json(Path(args.out), payload)
+        atomic_write_json(Path(args.out), fit.to_json())
     if args.plots:
         from xmodlm.report.law_plots import plot_law
 
         for path in plot_law(fit, read_table(args.results), args.plots):
             print(f"wrote {path}", file=sys.stderr)
+    payload = fit.to_json(samples=args.samples)
     if args.json:
         _print_json(payload)
-    else:
-        d = payload["delta"]
+        return 0
+    runs = payload["runs"]
+    print(f"loss: {fit.loss} validation loss; {runs['n']} runs ({runs['dense']} dense,"
+          f" {runs['sparse']} {runs['variant'] or 'sparse'}); left out:"
+          f" {runs['dropped_short']} shorter than {runs['min_steps']} steps,"
+          f" {runs['dropped_unfinished']} unfinished, {runs['excluded_moe']} MoE,"
+          f" other variants {runs['excluded_variants'] or 'none'}")
+    d = payload["delta"]
+    if d:
         print(f"selected delta form: {d['selected']} ({d['selection'].get('why', '')})")
-        print(json.dumps(payload["metrics"], indent=2))
+    for flag in payload["identification"]["flags"]:
+        print(f"NOT IDENTIFIED: {flag['law']} {flag['param']}: {flag['problem']}")
+    print(json.dumps(payload["metrics"], indent=2))
     return 0
 
 
@@ -225,12 +333,14 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         args.compute, args.context, args.active_params,
         law=load_fit(args.law) if args.law else None,
         max_total_params=args.max_total_params,
+        loss=args.loss,
     )
     if args.json:
         _print_json(result)
     else:
         print(result["answer"])
         print(result.get("reason", ""))
+        print(f"(the law predicts the {result['loss']}-routing validation loss)")
         for w in result.get("warnings", []):
             print(f"warning: {w}", file=sys.stderr)
     return 0
@@ -239,6 +349,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from xmodlm.report.sweep_report import sweep_report
 
+    _check_out_dir(args.out)
     results = Path(args.results)
     if results.is_dir():
         results = results / "results.csv"
@@ -255,7 +366,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     tasks = tuple(t for t in args.tasks.split(",") if t) if args.tasks else ()
     result = evaluate_run(args.run_dir, data_dir=args.data, split=args.split, tasks=tasks,
-                          max_items=args.max_items, device=args.device)
+                          max_items=args.max_items, device=_check_device(args.device))
     if args.json:
         _print_json(result)
     else:
@@ -278,13 +389,16 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit <= 0:
         raise UserError(f"--limit must be positive (a count, or a fraction below 1), got {args.limit}")
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    if args.out:
+        _check_out_file(args.out)
+    device = _check_device(args.device)
     out = run_harness(
         args.run_dir,
         [t.strip() for t in args.tasks.split(",")],
         num_fewshot=args.num_fewshot,
         limit=limit,
         batch_size=args.batch_size,
-        device=args.device,
+        device=device,
         include_path=args.include_path,
         step=args.step,
         dtype=args.dtype,
@@ -316,10 +430,13 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
 def cmd_show_routing(args: argparse.Namespace) -> int:
     from xmodlm.report.routing_plots import plot_training, show_routing
 
-    out = Path(args.out)
+    out = _check_out_file(args.out)
+    if args.training_plots:
+        _check_out_dir(args.training_plots, "--training-plots")
+    _check_text(args.text, "--text")
+    device = _check_device(args.device)
     png, html = (out.with_suffix(".png"), out) if out.suffix == ".html" else (out, None)
-    show_routing(args.run_dir, args.text, png, html or out.with_suffix(".html"),
-                 device=args.device)
+    show_routing(args.run_dir, args.text, png, html or out.with_suffix(".html"), device=device)
     print(f"wrote {png} and {html or out.with_suffix('.html')}")
     if args.training_plots:
         for path in plot_training(args.run_dir, args.training_plots):
@@ -330,6 +447,8 @@ def cmd_show_routing(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from xmodlm.bench import run_bench
 
+    if args.reps is not None and args.reps < 1:
+        raise UserError(f"--reps {args.reps}: must be >= 1 (timed rounds)")
     result = run_bench(
         device=args.device, quick=args.quick, reps=args.reps, include_law=not args.no_law,
         include_decode=not args.no_decode, progress=not args.json,
@@ -373,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--restart", action="store_true",
+                   help="discard the run's checkpoints and metrics and train from step 0"
+                        " (needed when none of its checkpoints loads)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sweep", help="run a sweep spec (resumable) and write results.csv")
@@ -399,9 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text (repeat for several prompts in one batch)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--temperature", type=_finite, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-p", type=_finite, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
@@ -425,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated harness task names; offline: xmod_cloze,"
                         "xmod_minimal_pairs,xmod_cloze_gen,xmod_heldout")
     p.add_argument("--num-fewshot", type=int, default=None)
-    p.add_argument("--limit", type=float, default=None,
+    p.add_argument("--limit", type=_finite, default=None,
                    help="at most N documents per task (or a fraction if below 1)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--include-path", default=None, help="a directory of extra task YAMLs")
@@ -453,11 +575,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--form", default="auto", help="delta form (auto: chosen by held-out error)")
     p.add_argument("--holdout", default=None,
                    help="leave-cell-out | top-compute | longest-context")
-    p.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates")
+    p.add_argument("--n-boot", type=int, default=1000,
+                   help="bootstrap replicates (at least 100; default 1000)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loss", default="causal", choices=["causal", "topk"],
+                   help="validation loss to fit (default causal: what decoding gets)")
+    p.add_argument("--min-steps", type=int, default=1000,
+                   help="leave out runs with fewer optimiser steps (default 1000; 0 keeps all)")
+    p.add_argument("--family", default="xmod",
+                   help="sparse family or variant the delta law is fitted on (default xmod)")
     p.add_argument("--out", default=None, help="write the fit JSON here (for predict/recommend)")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the fit as JSON (a summary)")
+    p.add_argument("--samples", action="store_true",
+                   help="with --json: include the bootstrap samples")
     p.set_defaults(func=cmd_law_fit)
     p = law_sub.add_parser("predict", help="predict losses for the rows of a table")
     p.add_argument("fit", help="fit JSON from `xmod law fit --out`")
@@ -466,11 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_law_predict)
 
     p = sub.add_parser("recommend", help="which routing configuration to train, by the law")
-    p.add_argument("--compute", type=float, required=True, help="training FLOPs C")
+    p.add_argument("--compute", type=_finite, required=True, help="training FLOPs C")
     p.add_argument("--context", type=int, required=True, help="context length T")
-    p.add_argument("--active-params", type=float, required=True, help="N_ae of the backbone")
-    p.add_argument("--max-total-params", type=float, default=None)
+    p.add_argument("--active-params", type=_finite, required=True, help="N_ae of the backbone")
+    p.add_argument("--max-total-params", type=_finite, default=None)
     p.add_argument("--law", default=None, help="fit JSON (default: the shipped fit)")
+    p.add_argument("--loss", default="causal", choices=["causal", "topk"],
+                   help="the loss to optimise; the law must have been fitted on it (default causal)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_recommend)
 
@@ -495,24 +628,77 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--data", default="data/corpus", help="data directory")
     p.add_argument("--out", default="runs/demo", help="where the two runs go")
-    p.add_argument("--compute", type=float, default=1.6e13, help="training FLOPs per model")
+    p.add_argument("--compute", type=_finite, default=1.6e13, help="training FLOPs per model")
     p.set_defaults(func=cmd_demo)
 
     return parser
 
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _os_error(err: OSError, args: argparse.Namespace) -> str:
+    """An OSError as 'path: cause': the file it hit when it says, else the command's
+    output or run directory (a failed write() or fsync() names no file)."""
+    cause = err.strerror or (errno.errorcode.get(err.errno, "") if err.errno else "") or str(err)
+    where = " -> ".join(str(f) for f in (err.filename, err.filename2) if f)
+    if where:
+        return f"{where}: {cause}"
+    for key in ("out", "run_dir", "sweep_dir"):
+        if getattr(args, key, None):
+            return f"{cause} (working in {getattr(args, key)})"
+    return cause
+
+
+def _trace_file(args: argparse.Namespace) -> str | None:
+    """Write the current exception's full trace where the user will look for it:
+    ``error.log`` in the run directory of ``xmod train``, else a temporary file."""
+    text = traceback.format_exc()
+    out = getattr(args, "out", None) if getattr(args, "command", None) == "train" else None
+    if out and Path(out).is_dir():
+        try:
+            with open(Path(out) / "error.log", "a", encoding="utf-8") as f:
+                f.write(text)
+            return str(Path(out) / "error.log")
+        except OSError:
+            pass
+    try:
+        fd, path = tempfile.mkstemp(prefix="xmod-error-", suffix=".log")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+    except OSError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or an argument the parser rejected (2)
+        return exit_.code if isinstance(exit_.code, int) else 2
     handler: Handler = args.func
+    name = f"xmod {args.command}"
     try:
         return handler(args)
     except UserError as err:
-        sys.stderr.write(f"xmod {args.command}: error: {err}\n")
+        sys.stderr.write(f"{name}: error: {_one_line(err)}\n")
+        return 2
+    except OSError as err:  # the machine: full disk, read-only file system, permissions
+        sys.stderr.write(f"{name}: error: {_one_line(_os_error(err, args))}\n")
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("xmod: interrupted\n")
         return 130
+    except Exception as err:  # a bug of ours: one line, the trace kept in a file
+        where = _trace_file(args)
+        kept = f"full trace in {where}" if where else "the trace could not be written"
+        sys.stderr.write(
+            f"{name}: internal error (a bug, please report it):"
+            f" {type(err).__name__}: {_one_line(err)[:300]}; {kept}\n"
+        )
+        return 1
 
 
 if __name__ == "__main__":
