@@ -400,10 +400,6 @@ def _read_yaml(name_or_path: str | Path) -> dict[str, Any]:
                 f" {', '.join(preset_names())}"
             )
         text = res.read_text()
-    if not text.strip(" \t\r\n"):
-        raise UserError(
-            f"config {str(name_or_path)!r} is empty: give at least `base: PRESET` or a model section"
-        )
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
@@ -411,7 +407,9 @@ def _read_yaml(name_or_path: str | Path) -> dict[str, Any]:
         at = f" (line {line + 1})" if line is not None else ""
         raise UserError(f"config {str(name_or_path)!r} is not valid YAML{at}") from None
     if raw is None:
-        raise UserError(f"config {str(name_or_path)!r} holds no settings (only comments)")
+        raise UserError(
+            f"config {str(name_or_path)!r} is empty (no settings): give at least `base: PRESET`"
+        )
     if not isinstance(raw, dict):
         raise UserError(f"config {str(name_or_path)!r}: top level must be a mapping")
     return raw
