@@ -1,0 +1,569 @@
+"""Bad input, as a hostile but realistic user gives it: one line on stderr, exit 2.
+
+The table below runs every case in-process through ``xmodlm.cli.main``; each must
+end with the expected exit status, exactly one line on stderr and no traceback.
+Below it, the faults of the machine (full disk, read-only file system, missing
+permission), the run-directory lock, resume leftovers and the sweep's records.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from xmodlm.cli import main
+from xmodlm.errors import UserError
+from xmodlm.train import checkpoint as ckpt_io
+
+TINY = [
+    "data.val_batches=1", "model.vocab_size=300", "model.d_model=32", "model.n_heads=2",
+    "model.n_layers=4", "model.stride=2", "model.capacity=0.5", "model.context=32",
+    "train.batch_size=4", "train.dtype=fp32", "train.warmup_steps=1", "train.log_every=1",
+    "train.eval_every=1000",
+]
+NO_CUDA = not torch.cuda.is_available()
+BAD_UTF8 = b"\xff\xfe caf\xc3".decode("utf-8", "surrogateescape")  # as argv delivers it
+
+
+def _tiny_yaml(data_dir: Path) -> str:
+    raw: dict = {"base": "xmod-tiny", "name": "tiny"}
+    for item in [f"data.dir={data_dir}", *TINY]:
+        key, value = item.split("=", 1)
+        section, name = key.split(".")
+        raw.setdefault(section, {})[name] = yaml.safe_load(value)
+    return yaml.safe_dump(raw)
+
+
+def _copy_data(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in src.iterdir():
+        if p.is_file():
+            (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+@pytest.fixture(scope="module")
+def world(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Files for the cases: a tiny config, a trained run, broken files of every kind."""
+    from xmodlm.config import load_config
+    from xmodlm.train.trainer import train
+
+    root = tmp_path_factory.mktemp("bad")
+    w = {"data": str(tiny_data_dir), "root": str(root)}
+    cfg = root / "tiny.yaml"
+    cfg.write_text(_tiny_yaml(tiny_data_dir))
+    w["cfg"] = str(cfg)
+    run = root / "run"
+    train(load_config(cfg, ["train.max_steps=2"]), run, progress=False)
+    w["run"] = str(run)
+    # a run whose only checkpoint is corrupt
+    corrupt = root / "corrupt_run"
+    train(load_config(cfg, ["train.max_steps=2"]), corrupt, progress=False)
+    weights = ckpt_io.checkpoint_dirs(corrupt)[-1] / "model.safetensors"
+    weights.write_bytes(b"\0" * 64)
+    w["corrupt_run"] = str(corrupt)
+
+    files = {
+        "file": b"just a file\n",
+        "empty.yaml": b"",
+        "comments.yaml": b"# nothing here\n",
+        "binary.yaml": bytes(range(256)) * 4,
+        "nul.yaml": b"\0" * 512,
+        "list.yaml": b"- 1\n- 2\n",
+        "badkey.yaml": b"modle: {d_model: 8}\n",
+        "badbase.yaml": b"base: no-such-preset\n",
+        "badsection.yaml": b"model: 5\n",
+        "binary.csv": bytes(range(256)) * 4,
+        "notjson.json": b"{not json",
+    }
+    for name, content in files.items():
+        (root / name).write_bytes(content)
+        w[name.replace(".", "_")] = str(root / name)
+    (root / "dir.yaml").mkdir()
+    w["dir_yaml"] = str(root / "dir.yaml")
+    table = root / "results.csv"
+    table.write_text("params_active,tokens,val_loss\n1e6,1e8,3.0\n")
+    w["table"] = str(table)
+
+    # data directories: ids beyond the vocabulary, a corrupt manifest, a truncated split
+    bad_ids = _copy_data(tiny_data_dir, root / "bad_ids")
+    tokens = np.fromfile(bad_ids / "train.bin", dtype=np.uint16)
+    tokens[len(tokens) // 2] = 60000
+    tokens.tofile(bad_ids / "train.bin")
+    w["bad_ids"] = str(bad_ids)
+    bad_manifest = _copy_data(tiny_data_dir, root / "bad_manifest")
+    (bad_manifest / "manifest.json").write_bytes(b"\xff\xfe{")
+    w["bad_manifest"] = str(bad_manifest)
+    short = _copy_data(tiny_data_dir, root / "short")
+    (short / "train.bin").write_bytes((short / "train.bin").read_bytes()[:1000])
+    w["short"] = str(short)
+
+    # sweep specs
+    good = {"name": "t", "base": "micro", "compute": [2.0e9], "context": [32],
+            "dense": [{"width": 32, "n_layers": 2, "n_heads": 2}],
+            "families": [{"family": "dense"}], "seeds": [0],
+            "set": [f"data.dir={tiny_data_dir}", "model.vocab_size=300", "train.batch_size=4",
+                    "train.max_steps=2", "data.val_batches=1"]}
+    specs = {
+        "spec_compute_abc": {"compute": ["abc"]},
+        "spec_compute_neg": {"compute": [-1.0]},
+        "spec_compute_inf": {"compute": [float("inf")]},
+        "spec_capacity_abc": {"families": [{"family": "xmod", "stride": 2, "capacity": "abc"}]},
+        "spec_capacity_2": {"families": [{"family": "xmod", "stride": 2, "capacity": 2}]},
+        "spec_stride_frac": {"families": [{"family": "xmod", "stride": 2.5, "capacity": 0.5}]},
+        "spec_stride_str": {"families": [{"family": "xmod", "stride": "two", "capacity": 0.5}]},
+        "spec_lr_abc": {"families": [{"family": "dense", "lr": "fast"}]},
+        "spec_gating_num": {"families": [{"family": "xmod", "stride": 2, "capacity": 0.5,
+                                          "gating": 3}]},
+        "spec_width_abc": {"dense": [{"width": "abc", "n_layers": 2}]},
+        "spec_dense_nolayers": {"dense": [{"width": 32}]},
+        "spec_seeds_neg": {"seeds": [-1]},
+        "spec_context_0": {"context": [0]},
+        "spec_family_int": {"families": [5]},
+        "spec_family_unknown": {"families": [{"family": "banana"}]},
+        "spec_set_int": {"set": [5]},
+        "spec_no_data": {"set": [f"data.dir={root / 'nowhere'}", "model.vocab_size=300"]},
+        "spec_good": {},
+    }
+    for name, change in specs.items():
+        (root / f"{name}.yaml").write_text(yaml.safe_dump({**good, **change}))
+        w[name] = str(root / f"{name}.yaml")
+    (root / "spec_binary.yaml").write_bytes(bytes(range(256)))
+    w["spec_binary"] = str(root / "spec_binary.yaml")
+    (root / "spec_empty.yaml").write_text("")
+    w["spec_empty"] = str(root / "spec_empty.yaml")
+    sweep = root / "sweep" / "runs"
+    sweep.mkdir(parents=True)
+    w["sweep"] = str(root / "sweep")
+    return w
+
+
+T = ["train", "{cfg}", "--out", "{new}", "--set", "train.max_steps=2"]
+I = ["info", "xmod-tiny", "--set"]
+G = ["generate", "{run}", "--prompt", "The"]
+SR = ["show-routing", "{run}", "--text", "The ship"]
+S = ["sweep"]
+SETTINGS = [  # (--set value) that info and train must both reject
+    "train.tokens=inf", "train.tokens=.inf", "train.tokens=1e400", "train.compute=inf",
+    "train.compute=.nan", "train.lr=nan", "train.lr=inf", "train.lr=-1", "train.beta1=1.5",
+    "train.beta2=1.0", "train.beta1=-0.1", "model.init_std=nan", "model.init_std=0",
+    "model.rope_theta=0", "model.rope_theta=-5", "model.norm_eps=-1", "model.norm_eps=0",
+    "train.grad_clip=-1", "train.grad_clip=0", "train.grad_clip=inf", "data.val_batches=0",
+    "data.val_batches=-3", "model.capacity=nan", "model.capacity=0", "model.capacity=1.5",
+    "model.stride=0", "model.stride=2.5", "model.d_model=abc", "model.n_layers=1e400",
+    "train.warmup_steps=-1", "train.ckpt_every=0", "train.max_bad_steps=0", "train.seed=-1",
+    "train.weight_decay=inf", "train.min_lr_ratio=nan", "train.cooldown_frac=2",
+    "model.balance_coef=-1", "model.causal_coef=nan", "model.gating=banana",
+    "train.dtype=fp16", "train.device=banana", "train.schedule=linear", "model.layout=DDxx",
+    "model.vocab_size=0", "model.n_heads=3", "model.foo=1", "noequals", "model=1",
+    "model.d_model=[1", "data.dir=", "train.batch_size=0", "train.log_every=0",
+    "train.fsdp=maybe",
+]
+CASES: list[tuple[str, list[str], int]] = [
+    *[(f"info {s}", [*I, s], 2) for s in SETTINGS],
+    *[(f"train {s}", [*T, "--set", s], 2) for s in SETTINGS[:22]],
+    # config files
+    ("info missing preset", ["info", "no-such-preset"], 2),
+    ("info missing yaml", ["info", "{root}/missing.yaml"], 2),
+    ("info empty yaml", ["info", "{empty_yaml}"], 2),
+    ("info comments-only yaml", ["info", "{comments_yaml}"], 2),
+    ("info binary yaml", ["info", "{binary_yaml}"], 2),
+    ("info NUL yaml", ["info", "{nul_yaml}"], 2),
+    ("info list yaml", ["info", "{list_yaml}"], 2),
+    ("info directory yaml", ["info", "{dir_yaml}"], 2),
+    ("info unknown key", ["info", "{badkey_yaml}"], 2),
+    ("info unknown base", ["info", "{badbase_yaml}"], 2),
+    ("info section not mapping", ["info", "{badsection_yaml}"], 2),
+    ("info no config", ["info"], 2),
+    ("info unknown flag", ["info", "xmod-tiny", "--bogus"], 2),
+    ("no command", [], 2),
+    ("unknown command", ["nosuchcmd"], 2),
+    ("presets extra argument", ["presets", "extra"], 2),
+    ("train empty yaml", ["train", "{empty_yaml}", "--out", "{new}"], 2),
+    ("train binary yaml", ["train", "{binary_yaml}", "--out", "{new}"], 2),
+    # train: outputs, data, budgets, resume
+    ("train --out a file", ["train", "{cfg}", "--out", "{file}", "--set", "train.max_steps=2"], 2),
+    ("train --out under a file", ["train", "{cfg}", "--out", "{file}/r"], 2),
+    ("train no --out", ["train", "{cfg}"], 2),
+    ("train missing data", [*T, "--set", "data.dir={root}/nowhere"], 2),
+    ("train ids beyond vocab", [*T, "--set", "data.dir={bad_ids}"], 2),
+    ("train corrupt manifest", [*T, "--set", "data.dir={bad_manifest}"], 2),
+    ("train truncated split", [*T, "--set", "data.dir={short}"], 2),
+    ("train context beyond data", [*T, "--set", "model.context=1000000"], 2),
+    ("train no budget", [*T, "--set", "train.max_steps=0"], 2),
+    ("train budget under a batch", [*T, "--set", "train.max_steps=0", "--set", "train.tokens=10"], 2),
+    ("train model vocab below data", [*T, "--set", "model.vocab_size=100"], 2),
+    ("train other config on a run", ["train", "{cfg}", "--out", "{run}", "--set", "model.d_model=64"], 2),
+    ("train corrupt only checkpoint", ["train", "{cfg}", "--out", "{corrupt_run}", "--set", "train.max_steps=3"], 2),
+    # data prepare
+    ("data prepare --out a file", ["data", "prepare", "--out", "{file}"], 2),
+    ("data prepare --out under a file", ["data", "prepare", "--out", "{file}/corpus"], 2),
+    ("data prepare --vocab-size 0", ["data", "prepare", "--out", "{new}", "--vocab-size", "0"], 2),
+    ("data prepare --vocab-size abc", ["data", "prepare", "--vocab-size", "abc"], 2),
+    ("data prepare missing text", ["data", "prepare", "--out", "{new}", "--text", "{root}/none"], 2),
+    ("data no subcommand", ["data"], 2),
+    # sweep
+    ("sweep missing spec", [*S, "{root}/missing.yaml", "--dry-run"], 2),
+    ("sweep empty spec", [*S, "{spec_empty}", "--dry-run"], 2),
+    ("sweep binary spec", [*S, "{spec_binary}", "--dry-run"], 2),
+    *[(f"sweep {name}", [*S, f"{{{name}}}", "--dry-run"], 2) for name in (
+        "spec_compute_abc", "spec_compute_neg", "spec_compute_inf", "spec_capacity_abc",
+        "spec_capacity_2", "spec_stride_frac", "spec_stride_str", "spec_lr_abc",
+        "spec_gating_num", "spec_width_abc", "spec_dense_nolayers", "spec_seeds_neg",
+        "spec_context_0", "spec_family_int", "spec_family_unknown", "spec_set_int")],
+    ("sweep missing data, once up front", [*S, "{spec_no_data}", "--out", "{new}", "--quiet"], 2),
+    ("sweep --workers 0", [*S, "{spec_good}", "--out", "{new}", "--workers", "0"], 2),
+    ("sweep --workers -3", [*S, "{spec_good}", "--out", "{new}", "--workers", "-3"], 2),
+    ("sweep --max-retries -1", [*S, "{spec_good}", "--out", "{new}", "--max-retries", "-1"], 2),
+    ("sweep --executor banana", [*S, "{spec_good}", "--executor", "banana"], 2),
+    ("sweep --out a file", [*S, "{spec_good}", "--out", "{file}"], 2),
+    ("sweep --out under a file", [*S, "{spec_good}", "--out", "{file}/s"], 2),
+    # results
+    ("results missing sweep", ["results", "{root}/nowhere"], 2),
+    ("results --out under a file", ["results", "{sweep}", "--out", "{file}/r.csv"], 2),
+    ("results --out a directory", ["results", "{sweep}", "--out", "{root}"], 2),
+    # generate
+    ("generate --device banana", [*G, "--device", "banana"], 2),
+    pytest.param("generate --device cuda", [*G, "--device", "cuda"], 2,
+                 marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA present")),
+    ("generate --device cuda:x", [*G, "--device", "cuda:x"], 2),
+    ("generate invalid UTF-8 prompt", ["generate", "{run}", "--prompt", BAD_UTF8], 2),
+    ("generate missing run", ["generate", "{root}/nowhere", "--prompt", "x"], 2),
+    ("generate a file as run", ["generate", "{file}", "--prompt", "x"], 2),
+    ("generate empty prompt", ["generate", "{run}", "--prompt", ""], 2),
+    ("generate --max-new-tokens -1", [*G, "--max-new-tokens", "-1"], 2),
+    ("generate --temperature nan", [*G, "--temperature", "nan"], 2),
+    ("generate --temperature -1", [*G, "--temperature", "-1"], 2),
+    ("generate --top-k 0", [*G, "--top-k", "0"], 2),
+    ("generate --top-p 1.5", [*G, "--top-p", "1.5"], 2),
+    ("generate --top-p inf", [*G, "--top-p", "inf"], 2),
+    ("generate no prompt", ["generate", "{run}"], 2),
+    ("generate corrupt checkpoint", ["generate", "{corrupt_run}", "--prompt", "x"], 2),
+    # eval
+    ("eval --device banana", ["eval", "{run}", "--device", "banana"], 2),
+    pytest.param("eval --device cuda", ["eval", "{run}", "--device", "cuda"], 2,
+                 marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA present")),
+    ("eval missing run", ["eval", "{root}/nowhere"], 2),
+    ("eval --split bogus", ["eval", "{run}", "--split", "bogus", "--tasks", ""], 2),
+    ("eval --data missing", ["eval", "{run}", "--data", "{root}/nowhere", "--tasks", ""], 2),
+    ("eval --data ids beyond vocab", ["eval", "{run}", "--data", "{bad_ids}", "--split", "train",
+                                      "--tasks", ""], 2),
+    ("eval corrupt checkpoint", ["eval", "{corrupt_run}", "--tasks", ""], 2),
+    # show-routing
+    ("show-routing --out under a file", [*SR, "--out", "{file}/r.png"], 2),
+    ("show-routing --out a directory", [*SR, "--out", "{root}"], 2),
+    ("show-routing --device banana", [*SR, "--out", "{new}.png", "--device", "banana"], 2),
+    pytest.param("show-routing --device cuda", [*SR, "--out", "{new}.png", "--device", "cuda"], 2,
+                 marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA present")),
+    ("show-routing invalid UTF-8", ["show-routing", "{run}", "--text", BAD_UTF8, "--out", "{new}.png"], 2),
+    ("show-routing missing run", ["show-routing", "{root}/nowhere", "--text", "x", "--out", "{new}.png"], 2),
+    ("show-routing plots under a file", [*SR, "--out", "{new}.png", "--training-plots", "{file}/p"], 2),
+    ("show-routing no --text", ["show-routing", "{run}", "--out", "{new}.png"], 2),
+    # lm-eval
+    ("lm-eval --limit 0", ["lm-eval", "{run}", "--tasks", "xmod_cloze", "--limit", "0"], 2),
+    ("lm-eval --limit nan", ["lm-eval", "{run}", "--tasks", "xmod_cloze", "--limit", "nan"], 2),
+    ("lm-eval --dtype fp64", ["lm-eval", "{run}", "--tasks", "xmod_cloze", "--dtype", "fp64"], 2),
+    ("lm-eval --device banana", ["lm-eval", "{run}", "--tasks", "xmod_cloze", "--device", "banana"], 2),
+    ("lm-eval --out under a file", ["lm-eval", "{run}", "--tasks", "xmod_cloze", "--out", "{file}/x.json"], 2),
+    # law, recommend, report
+    ("law fit missing table", ["law", "fit", "{root}/missing.csv"], 2),
+    ("law fit binary table", ["law", "fit", "{binary_csv}"], 2),
+    ("law fit --out under a file", ["law", "fit", "{table}", "--out", "{file}/fit.json"], 2),
+    ("law fit --out a directory", ["law", "fit", "{table}", "--out", "{root}"], 2),
+    ("law fit --plots a file", ["law", "fit", "{table}", "--plots", "{file}"], 2),
+    ("law predict missing fit", ["law", "predict", "{root}/none.json", "--input", "{table}"], 2),
+    ("law no subcommand", ["law"], 2),
+    ("recommend --compute nan", ["recommend", "--compute", "nan", "--context", "128", "--active-params", "1e6"], 2),
+    ("recommend --compute inf", ["recommend", "--compute", "inf", "--context", "128", "--active-params", "1e6"], 2),
+    ("recommend --compute abc", ["recommend", "--compute", "abc", "--context", "128", "--active-params", "1e6"], 2),
+    ("recommend --context abc", ["recommend", "--compute", "1e15", "--context", "abc", "--active-params", "1e6"], 2),
+    ("recommend --active-params inf", ["recommend", "--compute", "1e15", "--context", "128", "--active-params", "inf"], 2),
+    ("recommend missing law", ["recommend", "--compute", "1e15", "--context", "128", "--active-params", "1e6", "--law", "{root}/none.json"], 2),
+    ("report --out a file", ["report", "{table}", "--out", "{file}"], 2),
+    ("report --out under a file", ["report", "{table}", "--out", "{file}/rep"], 2),
+    ("report missing table", ["report", "{root}/missing.csv", "--out", "{new}"], 2),
+    # bench, demo
+    ("bench --reps -1", ["bench", "--quick", "--reps", "-1"], 2),
+    ("bench --reps 0", ["bench", "--quick", "--reps", "0"], 2),
+    ("bench --reps abc", ["bench", "--reps", "abc"], 2),
+    ("bench --device banana", ["bench", "--device", "banana"], 2),
+    ("demo --compute nan", ["demo", "--compute", "nan"], 2),
+    ("demo --compute -5", ["demo", "--compute", "-5", "--out", "{new}"], 2),
+    ("demo --out a file", ["demo", "--out", "{file}"], 2),
+]
+
+
+def _case_id(case: object) -> str:
+    return case.values[0] if hasattr(case, "values") else case[0]  # type: ignore[index]
+
+
+def test_the_table_is_large() -> None:
+    assert len(CASES) >= 100
+    commands = {(c.values[1] if hasattr(c, "values") else c[1])[:1][0] for c in CASES
+                if (c.values[1] if hasattr(c, "values") else c[1])}
+    assert commands >= {"info", "presets", "data", "train", "sweep", "results", "generate",
+                        "eval", "lm-eval", "show-routing", "law", "recommend", "report",
+                        "bench", "demo"}
+
+
+@pytest.mark.parametrize(("name", "argv", "code"), CASES,
+                         ids=[_case_id(c) for c in CASES])
+def test_bad_input_is_one_line(
+    name: str, argv: list[str], code: int, world: dict[str, str], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = [a.format(**world, new=str(tmp_path / "new")) for a in argv]
+    got = main(args)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert got == code, (name, got, err)
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+
+
+# --- faults of the machine -----------------------------------------------------------
+
+
+def _train_args(world: dict[str, str], out: Path, *extra: str) -> list[str]:
+    return ["train", world["cfg"], "--out", str(out), "--quiet", "--set", "train.max_steps=2",
+            *[x for s in extra for x in ("--set", s)]]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
+def test_checkpoint_write_fault_is_one_line(
+    code: int, world: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    real = os.replace
+
+    def failing(src: object, dst: object) -> None:
+        if "step_" in str(dst):
+            raise OSError(code, os.strerror(code))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    out = tmp_path / "run"
+    assert main(_train_args(world, out)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert os.strerror(code) in err and "step_00000002" in err, err
+    assert not ckpt_io.abandoned_tmp_dirs(out)  # the half checkpoint was removed
+    assert not (out / ".lock").exists()  # the lock was released
+
+
+def test_full_disk_on_any_write_names_the_run(
+    world: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full)  # the lock's record is the first write
+    out = tmp_path / "run"
+    assert main(_train_args(world, out)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and str(out) in err, err
+
+
+def test_a_bug_is_one_line_and_a_trace_file(
+    world: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import xmodlm.train.trainer as trainer
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(trainer, "evaluate", broken)
+    out = tmp_path / "run"
+    assert main(_train_args(world, out)) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" in err and "boom" in err, err
+    trace = out / "error.log"
+    assert str(trace) in err and "Traceback" in trace.read_text()
+    monkeypatch.setattr("xmodlm.info.model_info", broken)  # no run directory: a temp file
+    assert main(["info", "xmod-tiny"]) == 1
+    err = capsys.readouterr().err
+    where = err.rsplit("full trace in ", 1)[1].strip()
+    assert Path(where).is_file() and "RuntimeError" in Path(where).read_text()
+    Path(where).unlink()
+
+
+# --- one writer per run directory ---------------------------------------------------
+
+
+def test_second_writer_is_refused(
+    world: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from xmodlm.train.lock import run_lock
+
+    out = tmp_path / "run"
+    with run_lock(out):
+        assert main(_train_args(world, out)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"pid {os.getpid()}" in err
+    assert socket.gethostname() in err
+    assert not (out / ".lock").exists()
+    assert main(_train_args(world, out)) == 0  # released: the run proceeds
+
+
+def test_second_writer_process_is_refused(world: dict[str, str], tmp_path: Path) -> None:
+    from xmodlm.train.lock import run_lock
+
+    out = tmp_path / "run"
+    with run_lock(out):
+        proc = subprocess.run(
+            [sys.executable, "-m", "xmodlm", *_train_args(world, out)],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"pid {os.getpid()}" in proc.stderr
+
+
+def test_stale_lock_is_taken_over(
+    world: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    assert main(_train_args(world, out)) == 0
+    err = capsys.readouterr().err
+    assert "stale lock" in err and f"pid {dead.pid}" in err
+    assert not (out / ".lock").exists()
+
+
+# --- resume leftovers, corrupt checkpoints, file modes --------------------------------
+
+
+def test_resume_cleans_abandoned_checkpoints_and_torn_metrics(
+    world: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert main(_train_args(world, out)) == 0
+    tmp = out / "ckpt" / ".tmp_step_00000003_x1y2"
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_bytes(b"half")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 4.')  # torn by a kill
+    capsys.readouterr()
+    assert main([*_train_args(world, out), "--set", "train.max_steps=3"]) == 0
+    assert not tmp.exists() and str(tmp) in capsys.readouterr().err
+    from xmodlm.train.trainer import read_metrics
+
+    steps = [r["step"] for r in read_metrics(out) if "loss" in r]
+    assert steps == [1, 2, 3]
+
+
+def test_corrupt_only_checkpoint_needs_restart(
+    world: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert main(_train_args(world, out)) == 0
+    (ckpt_io.checkpoint_dirs(out)[-1] / "state.pt").write_bytes(b"garbage")
+    capsys.readouterr()
+    assert main(_train_args(world, out, "train.max_steps=4")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--restart" in err, err
+    assert main([*_train_args(world, out, "train.max_steps=4"), "--restart"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["status"] == "ok"
+
+
+def test_files_follow_the_umask(world: dict[str, str], tmp_path: Path) -> None:
+    old = os.umask(0o002)
+    try:
+        out = tmp_path / "run"
+        assert main(_train_args(world, out)) == 0
+    finally:
+        os.umask(old)
+    ckpt = ckpt_io.checkpoint_dirs(out)[-1]
+    assert ckpt.stat().st_mode & 0o777 == 0o775
+    for name in ("model.safetensors", "state.pt", "meta.json"):
+        assert (ckpt / name).stat().st_mode & 0o777 == 0o664, name
+
+
+def test_non_finite_final_loss_is_diverged(
+    world: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import xmodlm.train.trainer as trainer
+
+    real = trainer.evaluate
+
+    def nan_eval(*args: object, **kwargs: object) -> dict:
+        return {**real(*args, **kwargs), "val_loss_topk": float("nan")}
+
+    monkeypatch.setattr(trainer, "evaluate", nan_eval)
+    assert main(_train_args(world, tmp_path / "run")) == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "diverged"
+
+
+# --- sweeps: checks up front, failures as rows ---------------------------------------
+
+
+def test_sweep_spec_numbers_read_as_strings_are_numbers(world: dict[str, str]) -> None:
+    from xmodlm.sweep import expand, load_spec
+    from xmodlm.sweep.runner import check_spec
+
+    spec = load_spec(world["spec_good"])
+    spec["compute"] = ["2e9"]
+    spec["families"] = [{"family": "xmod", "stride": "2", "capacity": "0.5", "lr": "1e-3",
+                         "balance_coef": "1e-2"}]
+    runs = expand(check_spec(spec))
+    assert runs[0].cfg.train.lr == 1e-3 and runs[0].cfg.model.stride == 2
+    assert runs[0].cfg.model.balance_coef == 1e-2
+
+
+def test_sweep_checks_data_once_before_any_run(world: dict[str, str], tmp_path: Path) -> None:
+    from xmodlm.sweep import expand, load_spec, run_sweep
+
+    runs = expand(load_spec(world["spec_no_data"]))
+    with pytest.raises(UserError, match="not found"):
+        run_sweep(runs, tmp_path / "s", progress=False)
+    assert not list((tmp_path / "s").glob("runs/*"))
+
+
+def test_failed_and_diverged_runs_are_rows(world: dict[str, str], tmp_path: Path) -> None:
+    from xmodlm.law.table import finished_runs
+    from xmodlm.sweep.results import COLUMNS, EXTRA, collect_results
+
+    runs = tmp_path / "sweep" / "runs"
+    ok = runs / "ok"
+    ok.mkdir(parents=True)
+    good = json.loads(json.dumps(_summary()))
+    (ok / "summary.json").write_text(json.dumps(good))
+    diverged = runs / "div"
+    diverged.mkdir()
+    (diverged / "summary.json").write_text(json.dumps(
+        {**good, "status": "diverged", "final_val_loss": None, "skipped_steps": 5}))
+    failed = runs / "fail"
+    failed.mkdir()
+    (failed / "sweep_config.yaml").write_text(Path(world["cfg"]).read_text())
+    (failed / "failure.json").write_text(json.dumps(
+        {"status": "failed", "attempts": 1, "error_tail": "loading\nxmod train: error: disk full"}))
+    table, left_out = collect_results(tmp_path / "sweep")
+    assert not left_out and list(table.columns) == COLUMNS + EXTRA and EXTRA[-1] == "error"
+    by_id = table.set_index("run_id")
+    assert by_id.loc["div", "status"] == "diverged" and "diverged" in by_id.loc["div", "error"]
+    assert by_id.loc["fail", "status"] == "failed" and "disk full" in by_id.loc["fail", "error"]
+    assert by_id.loc["fail", "family"] == "xmod" and by_id.loc["fail", "params_active"] > 0
+    finished, dropped = finished_runs(table)
+    assert list(finished["run_id"]) == ["ok"] and dropped == 2
+
+
+def _summary() -> dict:
+    return {"status": "ok", "family": "dense", "width": 32, "n_layers": 2, "stride": 1,
+            "capacity": 1.0, "context": 32, "gating": "logit", "balance_coef": 0.0,
+            "params_total": 1000, "params_active": 900, "flops_per_token": 6000,
+            "tokens": 1e6, "seed": 0, "final_val_loss": 3.5, "val_bpb": 1.2, "steps": 10}
