@@ -66,7 +66,7 @@ def test_dense_fit_recovers_truth_from_minimal_csv(tmp_path) -> None:
     runs = synthetic_runs(48, sigma=SIGMA, dense_fraction=1.0, contexts=(1024,), seed=5)
     path = tmp_path / "runs.csv"
     runs[["params_active", "tokens", "val_loss"]].to_csv(path, index=False)
-    fit = fit_law(read_table(path), n_boot=200, seed=0)
+    fit = fit_law(read_table(path), n_boot=200, seed=0, min_steps=0)  # no steps column
     law = fit.to_json()["dense"][0]
     assert law["context"] == 0 and fit.selected is None and fit.notes
     assert all(inside(law["params"], TRUE_DENSE).values()), law["params"]
@@ -123,7 +123,7 @@ def test_one_se_rule_prefers_the_simpler_form_only_within_noise() -> None:
 def test_auto_picks_a_richer_form_when_the_data_demand_it() -> None:
     truth = {"g_cap": 0.03, "kappa": 0.5, "g_ctx": 0.01, "g_int": -0.005}
     runs = synthetic_runs(100, true_delta_form="scale", true_delta_params=truth, seed=0)
-    fit = fit_law(runs, n_boot=20, seed=0)
+    fit = fit_law(runs, n_boot=N_BOOT, seed=0)
     assert fit.selected == "scale", fit.selection["why"]
 
 
@@ -204,7 +204,7 @@ def _runs(n: int = 12) -> pd.DataFrame:
 )
 def test_degenerate_inputs_raise_user_error(breaks, message: str) -> None:
     with pytest.raises(UserError, match=re.escape(message)):
-        fit_law(breaks(_runs()), n_boot=20)
+        fit_law(breaks(_runs()), n_boot=N_BOOT)
 
 
 def test_bad_arguments_raise_user_error() -> None:
@@ -222,7 +222,7 @@ def test_too_few_xmod_runs_for_the_form() -> None:
     runs = synthetic_runs(40, contexts=(512,), seed=3)
     few = pd.concat([runs[runs["stride"] == 1], runs[runs["stride"] > 1].head(2)])
     with pytest.raises(UserError, match=r"2 X-MoD runs cannot fit [23] parameters; need at least"):
-        fit_law(few, form="base", n_boot=20)
+        fit_law(few, form="base", n_boot=N_BOOT)
 
 
 def test_unfinished_and_moe_runs_are_dropped_and_counted() -> None:

@@ -602,8 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--active-params", type=_finite, required=True, help="N_ae of the backbone")
     p.add_argument("--max-total-params", type=_finite, default=None)
     p.add_argument("--law", default=None, help="fit JSON (default: the shipped fit)")
-    p.add_argument("--loss", default="causal", choices=["causal", "topk"],
-                   help="the loss to optimise; the law must have been fitted on it (default causal)")
+    p.add_argument("--loss", default=None, choices=["causal", "topk"],
+                   help="the loss to optimise; the law must have been fitted on it"
+                   " (default: the law's own, causal unless its table had only top-k)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_recommend)
 

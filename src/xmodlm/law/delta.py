@@ -38,12 +38,20 @@ import numpy as np
 import pandas as pd
 
 from xmodlm.errors import UserError
-from xmodlm.law.robust import Optimum, best_of, distinct, huber, map_chunks, minimize, sobol_box
+from xmodlm.law.robust import (
+    Optimum,
+    best_of,
+    distinct,
+    huber,
+    map_chunks,
+    refit_replicate,
+    sobol_box,
+)
 
 REFERENCE = {"T0": 1024.0, "N0": 1e8}
 TERMS = ("capacity", "context", "interaction")
 N_SOBOL = 16  # Sobol starts besides the init; every start is run to convergence
-N_BOOT_STARTS = 3
+N_BOOT_STARTS = 5  # best fit and rival optima; a non-converged replicate retries from all starts
 RIVAL_LOSS = 1.25  # as for the dense law: rival optima within 25% seed the bootstrap
 _STEP = 1e-20  # complex-step size: no cancellation, so any tiny step is exact
 NEEDS = {  # what each kind of variation means, for messages
@@ -249,6 +257,7 @@ class DeltaFit:
     optimum: Optimum
     n_runs: int
     boot_starts: np.ndarray  # (k, n_free)
+    retry_starts: np.ndarray  # (N_SOBOL + 1, n_free): where a non-converged replicate restarts
 
     @property
     def fixed(self) -> tuple[str, ...]:
@@ -280,31 +289,30 @@ def fit_delta(form: Form, x: Features, y: np.ndarray, rng: np.random.Generator) 
     full[free] = best.x
     rivals = [o for o in optima if o.loss <= RIVAL_LOSS * best.loss]
     return DeltaFit(
-        form, full, free, best, len(y), np.array(distinct(rivals, bounds, N_BOOT_STARTS))
+        form, full, free, best, len(y), np.array(distinct(rivals, bounds, N_BOOT_STARTS)), starts
     )
 
 
 def bootstrap_delta(
     fit: DeltaFit, x: Features, y_boot: np.ndarray, weights: np.ndarray
-) -> tuple[np.ndarray, float]:
-    """Refit each replicate (targets y_boot[b], run weights weights[b]); (B, p) and converged fraction."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Refit each replicate (targets y_boot[b], run weights weights[b]); (B, p), converged (B,)."""
     rows = np.arange(len(weights))
-    samples, converged = map_chunks(functools.partial(_refit, fit, x, y_boot, weights), rows)
-    return samples, converged / len(weights)
+    return map_chunks(functools.partial(_refit, fit, x, y_boot, weights), rows)
 
 
 def _refit(
     fit: DeltaFit, x: Features, y_boot: np.ndarray, weights: np.ndarray, rows: np.ndarray
 ) -> tuple[np.ndarray, int]:
-    """Bootstrap refits of replicates ``rows``: all parameters (b, p) and converged count."""
+    """Bootstrap refits of replicates ``rows``: all parameters (b, p), converged (b,)."""
     bounds = [p.bounds for p, f in zip(fit.form.params, fit.free, strict=True) if f]
     samples = np.tile(fit.theta, (len(rows), 1))
-    converged = 0
+    converged = np.zeros(len(rows), dtype=bool)
     for i, b in enumerate(rows):
         objective = functools.partial(
             _objective, form=fit.form, full=fit.theta, free=fit.free, x=x, y=y_boot[b], w=weights[b]
         )
-        opt = min((minimize(objective, x0, bounds) for x0 in fit.boot_starts), key=lambda o: o.loss)
+        opt = refit_replicate(objective, fit.boot_starts, fit.retry_starts, bounds)
         samples[i, fit.free] = opt.x
-        converged += opt.converged
+        converged[i] = opt.converged
     return samples, converged

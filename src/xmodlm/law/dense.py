@@ -24,7 +24,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from xmodlm.errors import UserError
-from xmodlm.law.robust import Optimum, best_of, distinct, huber, map_chunks, minimize, sobol_box
+from xmodlm.law.robust import (
+    Optimum,
+    best_of,
+    distinct,
+    huber,
+    map_chunks,
+    refit_replicate,
+    sobol_box,
+)
 
 NAMES = ("E", "A", "B", "alpha", "beta")
 N_PARAMS = len(NAMES)
@@ -36,11 +44,13 @@ BOUNDS = ((-10.0, 60.0), (-10.0, 60.0), (-5.0, 3.0), (0.01, 3.0), (0.01, 3.0))
 START_BOX = ((0.0, 25.0), (0.0, 25.0), (-1.0, 1.5), (0.05, 2.0), (0.05, 2.0))
 N_STARTS = 512  # Sobol starts, all scored (cheap, vectorised)
 N_REFINED = 24  # best-scoring starts run to convergence
-# A bootstrap refit starts from the best fit and from up to two *rival* optima:
+# A bootstrap refit starts from the best fit and from up to four *rival* optima:
 # other local minima of the full-data fit within 25% of its loss, the basins a
 # resample can plausibly tip the global minimum into. Far worse optima (a term
-# switched off at a bound) never win a resample and would triple the cost.
-N_BOOT_STARTS = 3
+# switched off at a bound) never win a resample and would multiply the cost. A
+# replicate that does not converge from those is refitted from every refined
+# start of the full-data fit (``retry_starts``).
+N_BOOT_STARTS = 5
 RIVAL_LOSS = 1.25
 
 
@@ -110,6 +120,7 @@ class DenseFit:
     n_runs: int
     n_agree: int  # refined starts that reached the best loss: a multi-modality check
     boot_starts: np.ndarray  # (k, 5): the best fit, then rival optima
+    retry_starts: np.ndarray  # (N_REFINED, 5): where a non-converged replicate restarts
 
     @property
     def params(self) -> np.ndarray:
@@ -157,26 +168,26 @@ def fit_dense(
     n_agree = sum(bool(o.loss <= best.loss * (1 + 1e-6) + 1e-15) for o in optima)
     rivals = [o for o in optima if o.loss <= RIVAL_LOSS * best.loss]
     boot = distinct(rivals, BOUNDS, N_BOOT_STARTS)
-    return DenseFit(best, len(ln_l), n_agree, np.array(boot))
+    return DenseFit(best, len(ln_l), n_agree, np.array(boot), starts[order[:N_REFINED]])
 
 
 def bootstrap_dense(
     fit: DenseFit, ln_n: np.ndarray, ln_d: np.ndarray, ln_l: np.ndarray, weights: np.ndarray
-) -> tuple[np.ndarray, float]:
-    """Refit each replicate (a row of run weights); natural params (B, 5), converged fraction."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Refit each replicate (a row of run weights); natural params (B, 5), converged (B,)."""
     samples, converged = map_chunks(functools.partial(_refit, fit, ln_n, ln_d, ln_l), weights)
-    return to_natural(samples), converged / len(weights)
+    return to_natural(samples), converged
 
 
 def _refit(
     fit: DenseFit, ln_n: np.ndarray, ln_d: np.ndarray, ln_l: np.ndarray, weights: np.ndarray
-) -> tuple[np.ndarray, int]:
-    """Bootstrap refits of a block of replicates: log-space params (b, 5) and converged count."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Bootstrap refits of a block of replicates: log-space params (b, 5), converged (b,)."""
     samples = np.empty((len(weights), N_PARAMS))
-    converged = 0
+    converged = np.zeros(len(weights), dtype=bool)
     for i, w in enumerate(weights):
         objective = functools.partial(_objective, ln_n=ln_n, ln_d=ln_d, ln_l=ln_l, w=w)
-        opt = min((minimize(objective, x0, BOUNDS) for x0 in fit.boot_starts), key=lambda o: o.loss)
+        opt = refit_replicate(objective, fit.boot_starts, fit.retry_starts, BOUNDS)
         samples[i] = opt.x
-        converged += opt.converged
+        converged[i] = opt.converged
     return samples, converged

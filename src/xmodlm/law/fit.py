@@ -1,23 +1,35 @@
 """Fit the whole law, choose the delta form, save it as JSON, predict with it.
 
-``fit_law``: validate the runs; fit the dense law per context with bootstrap
-intervals; fit every delta form on the X-MoD runs with bootstrap intervals;
-refit all of them under a held-out protocol; keep the simplest form within one
-standard error of the lowest held-out error of ln L (never the best training
-fit; see :func:`one_se_choice`).
+``fit_law``: validate the runs (the causal-routing loss by default; runs
+shorter than ``min_steps`` optimiser steps left out and counted); keep the
+sparse runs of one family variant (X-MoD with its own mechanisms by default:
+MoD and ablation variants are fitted apart, with ``family``); fit the dense law
+per context with bootstrap intervals; fit every delta form on the sparse runs
+with bootstrap intervals; refit all of them under a held-out protocol; keep the
+simplest form within one standard error of the lowest held-out error of ln L
+(never the best training fit; see :func:`one_se_choice`).
 
-The bootstrap is stratified and paired. Replicate b resamples, with
-replacement, the dense runs of each context and the X-MoD runs (each kind keeps
-its count), refits the dense laws, recomputes y = ln L_x - ln L_d_hat with
-*those* dense laws, and refits each delta form. A delta interval therefore
-includes the dense law's uncertainty, and the dense and delta parameters of
-replicate b together are one draw of the whole law, which is what prediction
-intervals and P(beats dense) are computed from.
+The bootstrap is stratified, clustered and paired. Replicate b resamples, with
+replacement, the dense *configurations* of each context and the sparse
+configurations (all seeds of a drawn configuration come along, so seed noise
+widens the intervals), refits the dense laws, recomputes y = ln L_x - ln L_d_hat
+with *those* dense laws, and refits each delta form. A delta interval
+therefore includes the dense law's uncertainty, and the dense and delta
+parameters of replicate b together are one draw of the whole law, which is what
+prediction intervals and P(beats dense) are computed from. A replicate whose
+refit does not converge (after a retry from more starts) is dropped from every
+law at once, so the draws stay paired, and counted.
+
+Identification is checked, not assumed (:func:`identification`): a parameter at
+a bound of its box, an interval spanning more than a decade, or a fit that did
+not converge is a flag in the JSON and the plain output, and ``recommend``
+gives no sparse answer from a flagged law.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +52,11 @@ from xmodlm.law.delta import (
 )
 from xmodlm.law.holdout import DENSE_ONLY, HeldOut, check_protocol, default_protocol, evaluate
 from xmodlm.law.robust import HUBER_DELTA, interval, resample_weights
-from xmodlm.law.table import UNRECORDED_CONTEXT, validate
+from xmodlm.law.table import DEFAULT_MIN_STEPS, UNRECORDED_CONTEXT, validate
 
 SCHEMA = "xmodlm.law/1"
-MIN_BOOT = 20
+MIN_BOOT = 100  # below this the 2.5/97.5 percentiles rest on two or three draws
+DEFAULT_FAMILY = "xmod"
 
 
 def _param_table(
@@ -69,13 +82,13 @@ class DenseLaw:
     n_runs: int
     diagnostics: dict[str, Any]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, samples: bool = True) -> dict[str, Any]:
         return {
             "context": self.context,
             "n_runs": self.n_runs,
             "params": _param_table(dense.NAMES, self.value, self.samples),
             "optimizer": self.diagnostics,
-            "samples": self.samples.tolist(),
+            **({"samples": self.samples.tolist()} if samples else {}),
         }
 
     @classmethod
@@ -100,14 +113,14 @@ class DeltaLaw:
     def spec(self) -> Form:
         return FORMS[self.form]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, samples: bool = True) -> dict[str, Any]:
         return {
             "form": self.form,
             "summary": self.spec.summary,
             "n_runs": self.n_runs,
             "params": _param_table(self.spec.names, self.value, self.samples, self.fixed),
             "optimizer": self.diagnostics,
-            "samples": self.samples.tolist(),
+            **({"samples": self.samples.tolist()} if samples else {}),
         }
 
     @classmethod
@@ -140,6 +153,12 @@ class LawFit:
     settings: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     fit_seconds: float = 0.0
+    identification: dict[str, Any] = field(default_factory=lambda: {"ok": True, "flags": []})
+
+    @property
+    def loss(self) -> str:
+        """The validation loss the law was fitted on (``causal`` or ``topk``)."""
+        return str(self.settings.get("loss", "topk"))
 
     @property
     def delta(self) -> DeltaLaw | None:
@@ -150,20 +169,23 @@ class LawFit:
     def reference(self) -> dict[str, float]:
         return self.settings["reference"]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, samples: bool = True) -> dict[str, Any]:
+        """The whole fit; ``samples=False`` leaves out the bootstrap draws (a summary:
+        what ``law fit --json`` prints; a saved fit keeps them for predict)."""
         return {
             "schema": SCHEMA,
             "runs": self.runs,
             "notes": self.notes,
             "settings": self.settings,
-            "dense": [self.dense[t].to_json() for t in sorted(self.dense)],
+            "identification": self.identification,
+            "dense": [self.dense[t].to_json(samples) for t in sorted(self.dense)],
             "delta": None
             if not self.deltas
             else {
                 "selected": self.selected,
                 "selection": self.selection,
                 "skipped": self.skipped,
-                "forms": {name: law.to_json() for name, law in self.deltas.items()},
+                "forms": {name: law.to_json(samples) for name, law in self.deltas.items()},
             },
             "ranges": self.ranges,
             "metrics": self.metrics,
@@ -176,7 +198,12 @@ class LawFit:
         """Rebuild a fit from :meth:`to_json` output; UserError if it is not one."""
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise UserError(
-                f"not a law fit: expected JSON with schema {SCHEMA!r} (from `xmod law fit --json`)"
+                f"not a law fit: expected JSON with schema {SCHEMA!r} (from `xmod law fit --out`)"
+            )
+        if any("samples" not in d for d in data.get("dense") or []):
+            raise UserError(
+                "law fit JSON has no bootstrap samples (a `--json` summary): use the file"
+                " written by `xmod law fit --out`, or print with --samples"
             )
         try:
             laws = [DenseLaw.from_json(d) for d in data["dense"]]
@@ -199,6 +226,7 @@ class LawFit:
                 settings=data["settings"],
                 notes=data["notes"],
                 fit_seconds=data["fit_seconds"],
+                identification=data.get("identification", {"ok": True, "flags": []}),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise UserError(
@@ -232,14 +260,23 @@ def fit_law(
     holdout: str | None = None,
     n_boot: int = 1000,
     seed: int = 0,
+    loss: str = "causal",
+    min_steps: int = DEFAULT_MIN_STEPS,
+    family: str = DEFAULT_FAMILY,
 ) -> LawFit:
     """Fit the dense law per context and the delta law, select a form, validate held out.
 
-    ``form``: ``auto`` fits every registered form and keeps the one with the lowest
-    held-out RMSE; a form name fits only that one. ``holdout``: the protocol for
-    selection and the reported held-out metrics; None picks leave-cell-out when
-    there are two or more (S, c) cells, else top-compute when there are two or
-    more compute tiers, else none.
+    ``form``: ``auto`` fits every registered form and keeps the simplest within one
+    standard error of the lowest held-out error; a form name fits only that one.
+    ``holdout``: the protocol for selection and the reported held-out metrics;
+    None picks leave-cell-out when there are two or more (S, c) cells, else
+    top-compute when there are two or more compute tiers, else none. ``loss``:
+    ``causal`` (default) or ``topk``. ``min_steps``: shorter runs are left out and
+    counted (0 keeps all; the table needs a ``steps`` column otherwise).
+    ``family``: the sparse runs the delta law is fitted on: a family (``xmod``,
+    ``mod``: its own-mechanism variant, else its largest) or a variant label from
+    the table (``xmod[gating=sigmoid]``); every other sparse run is left out and
+    counted by variant.
     """
     started = time.perf_counter()
     if n_boot < MIN_BOOT:
@@ -249,8 +286,8 @@ def fit_law(
     candidates = list(FORMS.values()) if form == "auto" else [get_form(form)]
     if holdout is not None:
         check_protocol(holdout)
-    runs = validate(df)
-    frame = runs.frame
+    runs = validate(df, loss=loss, min_steps=min_steps)
+    frame, variant, excluded = _one_variant(runs.frame, family)
     sparse = frame["is_sparse"].to_numpy()
     context = frame["context"].to_numpy()
     if sparse.all():
@@ -265,12 +302,21 @@ def fit_law(
             " the dense law is fitted per context"
         )
     rng = np.random.default_rng(seed)
-    dense_fits, dense_laws = _fit_dense_laws(frame, n_boot, rng)
-    deltas, skipped = {}, {}
+    try:
+        dense_fits, dense_laws, dense_ok = _fit_dense_laws(frame, n_boot, rng)
+    except UserError as err:
+        if not runs.dropped_short:
+            raise
+        raise UserError(
+            f"{err} ({runs.dropped_short} runs shorter than min_steps={min_steps} were left"
+            " out: early training measures warmup; --min-steps lowers the bar, at that cost)"
+        ) from None
+    deltas, skipped, delta_ok = {}, {}, np.ones(n_boot, dtype=bool)
     if sparse.any():
-        deltas, skipped = _fit_deltas(
+        deltas, skipped, delta_ok = _fit_deltas(
             frame, candidates, dense_laws, n_boot, rng, explicit=form != "auto"
         )
+    dropped_replicates = _keep_replicates(dense_laws, deltas, dense_ok & delta_ok)
     protocol = holdout or default_protocol(frame)
     if form == "auto" and len(deltas) > 1 and protocol is None:
         raise UserError(
@@ -315,38 +361,151 @@ def fit_law(
             "n": len(frame),
             "dense": int((~sparse).sum()),
             "sparse": int(sparse.sum()),
+            "configurations": int(frame["config"].nunique()),
+            "variant": variant,
             "dropped_unfinished": runs.dropped_unfinished,
+            "dropped_short": runs.dropped_short,
+            "min_steps": min_steps,
             "excluded_moe": runs.excluded_moe,
+            "excluded_variants": excluded,
         },
         settings={
+            "loss": runs.loss,
             "n_boot": n_boot,
+            "replicates_kept": n_boot - dropped_replicates,
             "seed": seed,
             "huber_delta": HUBER_DELTA,
             "reference": dict(REFERENCE),
+            "bootstrap": "clustered by configuration (seeds of a configuration drawn together)",
         },
         notes=runs.notes,
         fit_seconds=time.perf_counter() - started,
+        identification=identification(dense_fits, dense_laws, deltas, selected),
     )
+
+
+def _one_variant(frame: pd.DataFrame, family: str) -> tuple[pd.DataFrame, str | None, dict]:
+    """Dense runs plus the sparse runs of one variant; the others counted by variant."""
+    sparse = frame["is_sparse"]
+    variants = frame.loc[sparse, "variant"].value_counts()
+    if variants.empty:
+        return frame, None, {}
+    if family in variants.index:
+        chosen = family
+    else:
+        own = [v for v in variants.index if v.split("[")[0] == family]
+        if not own:
+            raise UserError(
+                f"family {family!r} has no sparse runs in the table; it has:"
+                f" {', '.join(sorted(variants.index))}"
+            )
+        chosen = family if family in own else max(own, key=lambda v: (variants[v], v))
+    excluded = {str(v): int(n) for v, n in variants.items() if v != chosen}
+    return frame[~sparse | (frame["variant"] == chosen)], str(chosen), excluded
+
+
+def _keep_replicates(
+    dense_laws: dict[int, DenseLaw], deltas: dict[str, DeltaLaw], keep: np.ndarray
+) -> int:
+    """Drop the replicates that did not converge in some law from every law (they stay
+    paired); returns how many were dropped."""
+    if keep.all():
+        return 0
+    if keep.sum() < MIN_BOOT // 2:
+        raise UserError(
+            f"only {int(keep.sum())} of {len(keep)} bootstrap refits converged; the law is not"
+            " identified by these runs (see the optimiser reports)"
+        )
+    for law in [*dense_laws.values(), *deltas.values()]:
+        law.samples = law.samples[keep]
+    return int((~keep).sum())
+
+
+DECADE = 10.0
+# A and B absorb the exponents' uncertainty (ln A moves by ln N x d alpha, and ln N
+# is ~10-20), so a decade in A is only ~0.15 in alpha: well-posed ladders of 80 runs
+# give A and B intervals of 10-20x. They are flagged past three decades.
+PREFACTOR_SPAN = 1e3
+
+
+def identification(
+    dense_fits: dict[int, dense.DenseFit],
+    dense_laws: dict[int, DenseLaw],
+    deltas: dict[str, DeltaLaw],
+    selected: str | None,
+) -> dict[str, Any]:
+    """Flags for parameters the runs do not pin down, and fits that did not converge.
+
+    A parameter is flagged when its full-data optimum sits on a bound of its box
+    (the data push it outside the family the law allows), or when it is positive
+    by construction and its 95% interval spans more than a decade (hi / lo > 10;
+    three decades for the prefactors A and B, see ``PREFACTOR_SPAN``).
+    Signed delta parameters are judged by their intervals in the report instead
+    (resolved or not), since an effect near zero is a finding, not a failure.
+    """
+    flags: list[dict[str, str]] = []
+    for t, fit in dense_fits.items():
+        name = f"dense (context {t})" if t != UNRECORDED_CONTEXT else "dense"
+        law = dense_laws[t]
+        if not fit.optimum.converged:
+            flags.append({"law": name, "param": "-", "problem": "full-data fit did not converge"})
+        theta = fit.optimum.x
+        theta_names = ("A", "B", "E", "alpha", "beta")  # the log-space order of dense.BOUNDS
+        for pname, x, (lo, hi) in zip(theta_names, theta, dense.BOUNDS, strict=True):
+            if _at_bound(x, lo, hi):
+                side = "lower" if x - lo < hi - x else "upper"
+                flags.append({"law": name, "param": pname, "problem": f"at its {side} bound"})
+        ci = interval(law.samples, law.value)
+        for pname, (lo, hi) in zip(dense.NAMES, ci, strict=True):
+            span = PREFACTOR_SPAN if pname in ("A", "B") else DECADE
+            if lo > 0 and hi / lo > span:
+                flags.append({"law": name, "param": pname,
+                              "problem": f"95% interval spans more than {math.log10(span):.0f}"
+                              f" decade(s) ({lo:.3g} to {hi:.3g})"})
+    for form_name, law in deltas.items():
+        if form_name != selected:
+            continue
+        name = f"delta ({form_name})"
+        if not law.diagnostics.get("converged", True):
+            flags.append({"law": name, "param": "-", "problem": "full-data fit did not converge"})
+        ci = interval(law.samples, law.value)
+        for p, x, (lo_ci, hi_ci) in zip(law.spec.params, law.value, ci, strict=True):
+            if p.name in law.fixed:
+                continue
+            if _at_bound(x, *p.bounds):
+                flags.append({"law": name, "param": p.name, "problem": "at a bound of its box"})
+            elif p.bounds[0] > 0 and lo_ci > 0 and hi_ci / lo_ci > DECADE:
+                flags.append({"law": name, "param": p.name,
+                              "problem": f"95% interval spans more than a decade ({lo_ci:.3g} to {hi_ci:.3g})"})
+    return {"ok": not flags, "flags": flags}
+
+
+def _at_bound(x: float, lo: float, hi: float) -> bool:
+    return min(x - lo, hi - x) <= 1e-6 * (hi - lo)
 
 
 def _fit_dense_laws(
     frame: pd.DataFrame, n_boot: int, rng: np.random.Generator
-) -> tuple[dict[int, dense.DenseFit], dict[int, DenseLaw]]:
-    """Dense law and bootstrap per context, from the dense runs of that context."""
+) -> tuple[dict[int, dense.DenseFit], dict[int, DenseLaw], np.ndarray]:
+    """Dense law and bootstrap per context, from the dense runs of that context; and
+    which replicates converged in every context."""
     ln_n, ln_d = _logs(frame)
     ln_l = np.log(frame["val_loss"].to_numpy(float))
     context, sparse = frame["context"].to_numpy(), frame["is_sparse"].to_numpy()
+    configs = frame["config"].to_numpy()
     fits, laws = {}, {}
+    ok = np.ones(n_boot, dtype=bool)
     for t in sorted(set(context[~sparse])):
         rows = (context == t) & ~sparse
         where = "dense runs" if t == UNRECORDED_CONTEXT else f"dense runs at context {t}"
         fit = dense.fit_dense(ln_n[rows], ln_d[rows], ln_l[rows], rng, where)
-        weights = resample_weights(int(rows.sum()), n_boot, rng)
+        weights = resample_weights(int(rows.sum()), n_boot, rng, clusters=configs[rows])
         samples, converged = dense.bootstrap_dense(fit, ln_n[rows], ln_d[rows], ln_l[rows], weights)
         fits[int(t)] = fit
-        diagnostics = {**fit.report(), "bootstrap_converged": converged}
+        ok &= converged
+        diagnostics = {**fit.report(), "bootstrap_converged": float(converged.mean())}
         laws[int(t)] = DenseLaw(int(t), fit.params, samples, fit.n_runs, diagnostics)
-    return fits, laws
+    return fits, laws, ok
 
 
 def _fit_deltas(
@@ -356,8 +515,9 @@ def _fit_deltas(
     n_boot: int,
     rng: np.random.Generator,
     explicit: bool,
-) -> tuple[dict[str, DeltaLaw], dict[str, str]]:
-    """Every candidate form on the X-MoD runs, with bootstrap paired to the dense replicates."""
+) -> tuple[dict[str, DeltaLaw], dict[str, str], np.ndarray]:
+    """Every candidate form on the X-MoD runs, with bootstrap paired to the dense
+    replicates; and which replicates converged in every form."""
     runs = frame[frame["is_sparse"]]
     ln_n, ln_d = _logs(runs)
     context = runs["context"].to_numpy()
@@ -369,8 +529,9 @@ def _fit_deltas(
         {t: law.samples for t, law in dense_laws.items()}, context, ln_n, ln_d
     )
     x = Features.of(runs, REFERENCE)
-    weights = resample_weights(len(runs), n_boot, rng)
+    weights = resample_weights(len(runs), n_boot, rng, clusters=runs["config"].to_numpy())
     deltas, skipped = {}, {}
+    ok = np.ones(n_boot, dtype=bool)
     for form in candidates:
         try:
             fit = fit_delta(form, x, y, rng)
@@ -380,14 +541,15 @@ def _fit_deltas(
             skipped[form.name] = str(err)
             continue
         samples, converged = bootstrap_delta(fit, x, y_boot, weights)
-        diagnostics = {**fit.report(), "bootstrap_converged": converged}
+        ok &= converged
+        diagnostics = {**fit.report(), "bootstrap_converged": float(converged.mean())}
         deltas[form.name] = DeltaLaw(
             form.name, fit.theta, fit.fixed, samples, fit.n_runs, diagnostics
         )
     if not deltas:
         name, why = next(iter(skipped.items()))
         raise UserError(f"no delta form can be fitted to these X-MoD runs ({name}: {why})")
-    return deltas, skipped
+    return deltas, skipped, ok
 
 
 def one_se_choice(results: dict[str, HeldOut], n_params: dict[str, int]) -> tuple[str, str]:

@@ -19,6 +19,12 @@
    model's candidate can miss the reference's FLOPs by 10-20%, and a candidate
    that wins only because it is smaller (more tokens at the same C) is evidence
    for a smaller dense model, not for routing.
+5. No sparse answer comes from a law whose identification is flagged (a
+   parameter at a bound, an interval over a decade, a fit that did not
+   converge: :func:`xmodlm.law.fit.identification`); the reason says which.
+
+The law predicts the validation loss it was fitted on, the causal-routing loss
+by default (what decoding gets); the answer names it.
 """
 
 from __future__ import annotations
@@ -45,9 +51,10 @@ THRESHOLD = 0.9
 EXTRAPOLATION = 10.0  # warn when compute is more than this factor outside the fitted range
 DEFAULT_FIT = "default_fit.json"
 DEFAULT_FIT_NOTE = (
-    "no --law given: using the shipped law, fitted on the micro-law CPU sweep"
-    " (results/micro-law: T=128, N_ae 2e4-9e5, C 3e11-1e13, 120 runs, one seed);"
-    " fit your own sweep for budgets outside that range"
+    "no --law given: using the shipped law, fitted on the 40 runs of the micro-law CPU"
+    " sweep with at least 500 optimiser steps (results/micro-law: T=128, one seed; causal"
+    " loss; its dense law is flagged as not identified, so it never recommends sparsity);"
+    " fit your own sweep"
 )
 
 
@@ -123,13 +130,21 @@ def recommend(
     *,
     vocab_size: int = 4096,
     threshold: float = THRESHOLD,
+    loss: str | None = None,
 ) -> dict[str, Any]:
     """Rank the (S, c, L) configurations for budget ``compute`` at ``context`` (see module doc).
 
     ``law`` defaults to the fit shipped as ``xmodlm/law/default_fit.json``, if any.
+    ``loss``: the validation loss to optimise; the law must have been fitted on it
+    (None: whichever it was fitted on).
     """
     _check(compute, context, active_params, max_total_params, strides, capacities)
     fit = law if law is not None else _default_fit()
+    if loss is not None and loss != fit.loss:
+        raise UserError(
+            f"loss={loss}: the law was fitted on the {fit.loss} loss; refit it with"
+            f" `xmod law fit --loss {loss}`"
+        )
     reference = dense_reference(active_params, int(context), vocab_size)
     ref_total = flops.count(reference).params_total
     if max_total_params is not None and ref_total > max_total_params:
@@ -196,10 +211,20 @@ def recommend(
         for e in candidates
         if e["p_beats_dense"] >= threshold and e["p_routing_helps"] >= threshold
     ]
-    best = winners[0] if winners else None
+    identified = bool(fit.identification.get("ok", True))
+    best = winners[0] if winners and identified else None
+    reason = _reason(fit, best, dense_entry, candidates, threshold)
+    if winners and not identified:
+        flags = "; ".join(f"{f['law']} {f['param']} {f['problem']}"
+                          for f in fit.identification["flags"])
+        reason = (
+            f"the law is not identified ({flags}), so it gives no sparse answer although"
+            f" stride {winners[0]['stride']} capacity {winners[0]['capacity']:g} would win by it"
+        )
     return {
         "answer": _answer(best),
-        "reason": _reason(fit, best, dense_entry, candidates, threshold),
+        "reason": reason,
+        "loss": fit.loss,
         "threshold": threshold,
         "best": best,
         "dense": dense_entry,
@@ -207,6 +232,9 @@ def recommend(
         "excluded_by_max_total_params": excluded,
         "law": {
             "form": fit.selected,
+            "loss": fit.loss,
+            "identified": identified,
+            "flags": fit.identification.get("flags", []),
             "contexts": sorted(fit.dense),
             "law_context": int(pred.law_context[0]),
         },
@@ -237,6 +265,10 @@ def _reason(
     candidates: list[dict[str, Any]],
     threshold: float,
 ) -> str:
+    if not fit.identification.get("ok", True) and fit.delta is not None:
+        flags = "; ".join(f"{f['law']} {f['param']} {f['problem']}"
+                          for f in fit.identification["flags"])
+        return f"the law is not identified ({flags}), so it supports no sparse answer"
     if fit.delta is None:
         return "the law was fitted on dense runs only, so it says nothing in favour of sparsity"
     if not candidates:

@@ -170,13 +170,13 @@ def n_workers() -> int:
 
 
 def map_chunks(
-    fn: Callable[[np.ndarray], tuple[np.ndarray, int]], rows: np.ndarray
-) -> tuple[np.ndarray, int]:
-    """Apply ``fn`` to one contiguous chunk of ``rows`` per worker; stack and sum the results.
+    fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Apply ``fn`` to one contiguous chunk of ``rows`` per worker; stack the results.
 
     ``fn`` maps a block of bootstrap rows to (samples for those rows, converged
-    count). Results do not depend on the number of workers: each replicate is
-    fitted from the same starts whichever process runs it.
+    flag per row). Results do not depend on the number of workers: each
+    replicate is fitted from the same starts whichever process runs it.
     """
     chunks = np.array_split(rows, min(n_workers(), len(rows)))
     if len(chunks) == 1:
@@ -186,16 +186,38 @@ def map_chunks(
             len(chunks), mp_context=multiprocessing.get_context("fork")
         ) as pool:
             results = list(pool.map(fn, chunks))
-    return np.vstack([r[0] for r in results]), sum(r[1] for r in results)
+    return np.vstack([r[0] for r in results]), np.concatenate([r[1] for r in results])
 
 
-def resample_weights(n: int, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+def refit_replicate(objective: Objective, starts: np.ndarray, retry: np.ndarray,
+                    bounds: Bounds) -> Optimum:
+    """One bootstrap refit: the best optimum from ``starts``; if L-BFGS-B does not
+    report convergence there, again from the larger ``retry`` set. The caller
+    drops (and counts) a replicate that still has not converged."""
+    opt = min((minimize(objective, x0, bounds) for x0 in starts), key=lambda o: o.loss)
+    if not opt.converged:
+        opt = min((opt, *(minimize(objective, x0, bounds) for x0 in retry)),
+                  key=lambda o: (not o.converged, o.loss))
+    return opt
+
+
+def resample_weights(
+    n: int, n_boot: int, rng: np.random.Generator, clusters: np.ndarray | None = None
+) -> np.ndarray:
     """Bootstrap replicates as counts: row b says how often each run was drawn.
 
     Resampling runs with replacement is the same as weighting each run's loss
     by its draw count, which keeps the arrays fixed-size and the fits fast.
+    With ``clusters`` (one id per run: the configuration, seeds sharing it) whole
+    clusters are drawn and every run of a drawn cluster gets its count, so runs
+    that differ only by seed are never treated as independent configurations.
     """
-    return rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(float)
+    if clusters is None:
+        return rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(float)
+    _, index = np.unique(np.asarray(clusters), return_inverse=True)
+    k = int(index.max()) + 1
+    draws = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot).astype(float)
+    return draws[:, index]
 
 
 def interval(samples: np.ndarray, point: np.ndarray) -> np.ndarray:

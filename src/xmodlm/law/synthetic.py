@@ -41,6 +41,9 @@ def _model(
     return cfg, flops.count(cfg)
 
 
+SYNTHETIC_STEPS = 10_000  # nominal: synthetic runs stand for runs past the law's minimum
+
+
 def synthetic_runs(
     n: int,
     true_dense: Mapping[str, float] = TRUE_DENSE,
@@ -105,6 +108,7 @@ def synthetic_runs(
                 "tokens": compute / counts.flops_train,
                 "compute": compute,
                 "seed": seed,
+                "steps": SYNTHETIC_STEPS,
                 "status": "ok",
             }
         )
@@ -120,4 +124,4 @@ def synthetic_runs(
     )
     frame["val_loss"] = np.exp(ln_loss)
     frame["val_bpb"] = frame["val_loss"] / np.log(2) / BYTES_PER_TOKEN
-    return frame[list(RUN_COLUMNS)]
+    return frame[[*RUN_COLUMNS, "steps"]]

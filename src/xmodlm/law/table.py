@@ -16,7 +16,20 @@ Derived columns added to the frame:
 * ``rho``: the sparse expansion ratio L / L_active with L_active = L/S + c L (S-1)/S,
   which simplifies to S / (1 + c (S - 1)), so depth itself is not needed;
 * ``tier``: the compute tier, log10(C) rounded to the nearest quarter decade, so a
-  sweep's budgets (1e15, 3e15, 1e16 ...) group together despite small drift.
+  sweep's budgets (1e15, 3e15, 1e16 ...) group together despite small drift;
+* ``variant``: the family with its mechanism settings (``xmod``,
+  ``xmod[gating=sigmoid]``, ``xmod[anchors=first]``, ``mod``, ``dense``), so that
+  fits never pool families or ablation variants by accident;
+* ``config``: an integer id shared by the seeds of one configuration (same
+  variant, width, depth, routing, context and budget): the bootstrap resamples
+  configurations, so seed noise widens the intervals instead of being averaged
+  away as if seeds were independent configurations.
+
+Which loss is fitted (DESIGN 5): ``val_loss`` is replaced by the causal-routing
+loss (``val_loss_causal``) where the table has it, because only causal routing
+can decode; ``loss="topk"`` keeps the optimistic top-k loss. Runs with fewer
+optimiser steps than ``min_steps`` (column ``steps``) are left out and counted:
+early training measures warmup, not the architecture.
 """
 
 from __future__ import annotations
@@ -49,6 +62,11 @@ RUN_COLUMNS = (
     "status",
 )
 FINISHED = ("ok", "done")
+LOSSES = ("causal", "topk")
+DEFAULT_MIN_STEPS = 1000
+# X-MoD's own mechanism settings (the sweep's family defaults); any other value is an
+# ablation variant with a delta law of its own
+MECHANISM_DEFAULTS = {"gating": "variance_scaled", "balance_coef": 0.01}
 UNRECORDED_CONTEXT = 0
 _POSITIVE = ("val_loss", "params_active", "tokens")
 
@@ -60,6 +78,8 @@ class Runs:
     frame: pd.DataFrame
     dropped_unfinished: int = 0
     excluded_moe: int = 0
+    dropped_short: int = 0
+    loss: str = "topk"  # the loss actually in ``val_loss``
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -97,8 +117,19 @@ def finished_runs(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     return df[done], int((~done).sum())
 
 
-def validate(df: pd.DataFrame, need_loss: bool = True) -> Runs:
-    """Check a run table and fill defaults; ``need_loss=False`` for prediction inputs."""
+def validate(
+    df: pd.DataFrame, need_loss: bool = True, loss: str = "causal", min_steps: int = 0
+) -> Runs:
+    """Check a run table and fill defaults; ``need_loss=False`` for prediction inputs.
+
+    ``loss``: ``causal`` (the default; falls back to top-k, with a note, when the
+    table has no ``val_loss_causal``) or ``topk``. ``min_steps``: runs with fewer
+    optimiser steps are dropped and counted (needs a ``steps`` column when > 0).
+    """
+    if loss not in LOSSES:
+        raise UserError(f"loss={loss!r}: must be one of {', '.join(LOSSES)}")
+    if min_steps < 0:
+        raise UserError(f"min_steps={min_steps}: must be >= 0")
     required = ("params_active", "tokens", "val_loss") if need_loss else ("params_active", "tokens")
     missing = [c for c in required if c not in df.columns]
     if missing:
@@ -107,9 +138,13 @@ def validate(df: pd.DataFrame, need_loss: bool = True) -> Runs:
         )
     frame = df.reset_index(drop=True)
     raw = frame.copy()  # original cells, for error messages about text that is not a number
-    dropped = 0
+    dropped = short = 0
+    notes: list[str] = []
+    used_loss = loss
     if need_loss:
         frame, dropped = finished_runs(frame)
+        frame, used_loss = _choose_loss(frame, loss, notes)
+        frame, short = _long_enough(frame, min_steps)
     moe = (
         frame["family"].astype(str).str.strip().str.lower().eq("moe") if "family" in frame else None
     )
@@ -122,12 +157,12 @@ def validate(df: pd.DataFrame, need_loss: bool = True) -> Runs:
     if frame.empty:
         raise UserError(
             f"table has no usable runs ({dropped} not finished with status ok/done,"
-            f" {excluded} MoE); the law needs finished dense runs"
+            f" {short} shorter than {min_steps} steps, {excluded} MoE);"
+            " the law needs finished dense runs"
         )
     for col in _POSITIVE if need_loss else _POSITIVE[1:]:
         frame[col] = _numbers(frame, col)
         _require(frame, raw, col, frame[col] > 0, "a positive finite number")
-    notes = []
     for col, default in (("stride", 1), ("capacity", 1.0)):
         frame[col] = _numbers(frame, col) if col in frame else default
     stride, capacity = frame["stride"], frame["capacity"]
@@ -153,16 +188,64 @@ def validate(df: pd.DataFrame, need_loss: bool = True) -> Runs:
     frame["tier"] = np.round(4 * np.log10(frame["compute"])) / 4
     if "family" not in frame:
         frame["family"] = np.where(frame["is_sparse"], "xmod", "dense")
-    for col in ("gating", "balance_coef"):
-        if col in frame and frame.loc[frame["is_sparse"], col].nunique() > 1:
-            values = ", ".join(map(str, sorted(frame.loc[frame["is_sparse"], col].unique())))
-            notes.append(f"X-MoD runs mix {col} values ({values}); the delta law pools them")
-    return Runs(frame, dropped, excluded, notes)
+    frame["variant"] = _variants(frame)
+    keys = [c for c in ("variant", "width", "n_layers", "params_active", "tokens", "context",
+                        "stride", "capacity") if c in frame]
+    frame["config"] = frame.groupby(keys, sort=True, dropna=False).ngroup()
+    return Runs(frame, dropped, excluded, short, used_loss, notes)
 
 
-def load_runs(path: str | Path) -> Runs:
-    """Read and validate a results table in one step (what ``xmod law fit`` does)."""
-    return validate(read_table(path))
+def _choose_loss(frame: pd.DataFrame, loss: str, notes: list[str]) -> tuple[pd.DataFrame, str]:
+    """Put the requested loss into ``val_loss`` (the top-k one is kept as ``val_loss_topk``)."""
+    frame = frame.copy()
+    frame["val_loss_topk"] = frame["val_loss"]
+    if loss == "topk":
+        return frame, "topk"
+    if "val_loss_causal" not in frame:
+        notes.append("no val_loss_causal column: the top-k validation loss is fitted")
+        return frame, "topk"
+    causal = pd.to_numeric(frame["val_loss_causal"], errors="coerce")
+    frame["val_loss"] = causal.where(causal.notna(), frame["val_loss"])
+    return frame, "causal"
+
+
+def _long_enough(frame: pd.DataFrame, min_steps: int) -> tuple[pd.DataFrame, int]:
+    """The runs with at least ``min_steps`` optimiser steps, and how many were shorter."""
+    if min_steps == 0:
+        return frame, 0
+    if "steps" not in frame:
+        raise UserError(
+            f"min_steps={min_steps} needs a steps column (optimiser steps per run);"
+            " add it, or pass min_steps 0 to fit every run"
+        )
+    steps = pd.to_numeric(frame["steps"], errors="coerce")
+    keep = steps >= min_steps
+    return frame[keep], int((~keep).sum())
+
+
+def _variants(frame: pd.DataFrame) -> pd.Series:
+    """Family plus every mechanism setting that differs from the family's usual one."""
+    labels = []
+    for _, row in frame.iterrows():
+        family = str(row["family"]).strip().lower()
+        if not row["is_sparse"]:
+            labels.append("dense")
+            continue
+        if family not in ("xmod", "dense", "nan", ""):
+            labels.append(family)  # mod, or another sparse family: its own law
+            continue
+        parts = []
+        gating = str(row.get("gating", MECHANISM_DEFAULTS["gating"]))
+        if gating not in ("nan", MECHANISM_DEFAULTS["gating"]):
+            parts.append(f"gating={gating}")
+        balance = float(row.get("balance_coef", MECHANISM_DEFAULTS["balance_coef"]))
+        if balance != MECHANISM_DEFAULTS["balance_coef"]:
+            parts.append(f"balance={balance:g}")
+        layout = str(row.get("layout", ""))
+        if layout.startswith("D") and set(layout[1:]) == {"s"} and row["stride"] < len(layout):
+            parts.append("anchors=first")
+        labels.append(f"xmod[{','.join(parts)}]" if parts else "xmod")
+    return pd.Series(labels, index=frame.index, dtype=object)
 
 
 def _numbers(frame: pd.DataFrame, col: str) -> pd.Series:

@@ -34,7 +34,11 @@ def plot_law(fit: LawFit, df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     """Write the law's PNG plots for the runs ``df`` it was fitted on; return their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    frame = validate(df).frame
+    # the runs the law saw: its loss, its minimum length, its sparse variant
+    frame = validate(df, loss=fit.loss, min_steps=int(fit.runs.get("min_steps", 0))).frame
+    variant = fit.runs.get("variant")
+    if variant:
+        frame = frame[~frame["is_sparse"] | (frame["variant"] == variant)]
     figures = {"law_isoflop.png": _isoflop(fit, frame), "law_pred_obs.png": _pred_obs(fit, frame)}
     if fit.delta is not None and frame["is_sparse"].any():
         figures["law_delta.png"] = _delta(fit, frame)

@@ -7,10 +7,16 @@ the questions a reader asks first, in this order:
 1. What ran: runs per family, compute tiers, widths, contexts, seeds, and runs
    left out (not finished).
 2. Sparse vs dense at equal compute: each non-dense run against its FLOP-matched
-   dense reference, the dense run of the same context, width and seed whose
-   compute is within ``MATCH_TOLERANCE`` in ln C (the sweep gives both the same
-   budget; only whole steps separate them). Per family and per compute tier:
-   how many lose, and the median, best and worst difference in nats.
+   dense reference, the dense run of the same context, width, seed (and peak
+   learning rate, where the sweep varies it) whose compute is within
+   ``MATCH_TOLERANCE`` in ln C (the sweep gives both the same budget; only whole
+   steps separate them). Differences are in the causal-routing validation loss
+   (what decoding gets; the top-k one beside it). Per family and per compute
+   tier: how many lose, and the median, best and worst difference in nats; per
+   configuration over seeds: the paired mean +- standard error with its 95%
+   t-interval, *resolved* only when the interval excludes zero.
+   Where the sweep varies the peak learning rate, each model's mean loss per
+   learning rate, and the best one.
 3. The dense ladder: at each tier, which dense width is best. A best width at the
    edge of the tested range means the compute-optimal size was not bracketed and
    a dense law fitted on it is an extrapolation.
@@ -41,6 +47,7 @@ REQUIRED = ("family", "width", "context", "val_loss")
 MATCH_TOLERANCE = 0.1  # |ln C_run - ln C_dense| for two runs of one budget
 TIER_GAP = 0.15  # decades between distinct compute budgets
 CONFIG_KEYS = ("family", "stride", "capacity", "gating", "balance_coef")
+PAIR_KEYS = ("tier", "context", "width", *CONFIG_KEYS, "layout", "lr")
 
 
 def _config_label(key: tuple[Any, ...]) -> str:
@@ -78,10 +85,16 @@ def _load(raw: pd.DataFrame, path: str | Path) -> tuple[pd.DataFrame, int]:
     df["family"] = df["family"].astype(str).str.strip().str.lower()
     if "seed" not in df.columns:
         df["seed"] = 0
-    for col, default in (("stride", 1), ("capacity", 1.0), ("gating", "-"), ("balance_coef", 0.0)):
+    for col, default in (("stride", 1), ("capacity", 1.0), ("gating", "-"), ("balance_coef", 0.0),
+                         ("layout", ""), ("lr", np.nan)):
         if col not in df.columns:
             df[col] = default
+    df["layout"] = df["layout"].fillna("").astype(str)
+    df["lr"] = pd.to_numeric(df["lr"], errors="coerce")
     df["tier"] = _tiers(df["compute"].to_numpy(float))
+    # the compared loss: causal routing where recorded (dense runs: the same number)
+    causal = pd.to_numeric(df.get("val_loss_causal", pd.Series(np.nan, df.index)), errors="coerce")
+    df["loss"] = causal.where(np.isfinite(causal), df["val_loss"])
     return df, left_out
 
 
@@ -106,6 +119,9 @@ def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
             & (dense["width"] == run["width"])
             & (dense["seed"] == run["seed"])
         ]
+        lr = float(run.get("lr", np.nan))
+        if np.isfinite(lr) and (same["lr"] == lr).any():
+            same = same[same["lr"] == lr]  # a learning-rate sweep: pair at equal lr
         gap = np.abs(np.log(same["compute"].to_numpy(float) / run["compute"]))
         if not len(same) or gap.min() > MATCH_TOLERANCE:
             unmatched += 1
@@ -122,9 +138,12 @@ def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
                 "capacity": run["capacity"],
                 "gating": run["gating"],
                 "balance_coef": float(run["balance_coef"]),
-                "val_loss": run["val_loss"],
-                "dense_val_loss": ref["val_loss"],
-                "delta": run["val_loss"] - ref["val_loss"],
+                "layout": run.get("layout", ""),
+                "lr": lr,
+                "loss": run.get("loss", run["val_loss"]),
+                "dense_loss": ref.get("loss", ref["val_loss"]),
+                "delta": run.get("loss", run["val_loss"]) - ref.get("loss", ref["val_loss"]),
+                "delta_topk": run["val_loss"] - ref["val_loss"],
                 "compute_ratio": run["compute"] / ref["compute"],
             }
         )
@@ -139,6 +158,67 @@ def _summary(delta: pd.Series) -> dict[str, Any]:
         "best": float(delta.min()),
         "worst": float(delta.max()),
     }
+
+
+def paired(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
+    """Each configuration's paired difference to dense over its seeds.
+
+    Mean +- standard error and the 95% t-interval (n - 1 degrees of freedom);
+    ``resolved`` only when n >= 2 and the interval excludes zero. One seed gives
+    a difference with no error bar: reported, never resolved.
+    """
+    from scipy.stats import t as student_t
+
+    out = []
+    keys = list(PAIR_KEYS)
+    for key, g in comparisons.groupby(keys, dropna=False, sort=True):
+        d = g["delta"].to_numpy(float)
+        n = len(d)
+        mean = float(d.mean())
+        se = float(d.std(ddof=1) / np.sqrt(n)) if n > 1 else None
+        half = float(student_t.ppf(0.975, n - 1) * se) if se is not None else None
+        ci = [mean - half, mean + half] if half is not None else None
+        row = dict(zip(keys, key, strict=True))
+        out.append({
+            "config": _config_label(tuple(row[k] for k in CONFIG_KEYS))
+            + (" anchors=first" if _first_anchor_only(row) else "")
+            + (f" lr={row['lr']:g}" if np.isfinite(row["lr"]) else ""),
+            "tier": float(row["tier"]), "context": int(row["context"]), "width": int(row["width"]),
+            "n": n, "seeds": sorted(int(x) for x in g["seed"]), "mean": mean, "se": se,
+            "ci95": ci, "resolved": bool(ci is not None and (ci[0] > 0 or ci[1] < 0)),
+            "mean_topk": float(g["delta_topk"].mean()),
+        })
+    return out
+
+
+def _first_anchor_only(row: dict[str, Any]) -> bool:
+    layout = str(row.get("layout") or "")
+    return len(layout) > 1 and set(layout[1:]) == {"s"} and int(row["stride"]) < len(layout)
+
+
+def learning_rates(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Per model (configuration, budget, context, width): mean loss +- SE at each peak
+    learning rate over seeds, and the best; empty unless the sweep varies lr."""
+    if df["lr"].nunique() < 2:
+        return []
+    out = []
+    keys = ["tier", "context", "width", *CONFIG_KEYS, "n_layers"]
+    keys = [k for k in keys if k in df.columns]
+    for key, g in df.groupby(keys, dropna=False, sort=True):
+        row = dict(zip(keys, key, strict=True))
+        by_lr = []
+        for lr, h in g.groupby("lr"):
+            x = h["loss"].to_numpy(float)
+            se = float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else None
+            by_lr.append({"lr": float(lr), "n": len(x), "mean": float(x.mean()), "se": se})
+        best = min(by_lr, key=lambda e: e["mean"])
+        label = "dense" if row["family"] == "dense" else _config_label(
+            tuple(row[k] for k in CONFIG_KEYS))
+        out.append({"model": f"{label} L={int(row.get('n_layers', 0))}", "tier": float(row["tier"]),
+                    "context": int(row["context"]), "width": int(row["width"]),
+                    "by_lr": by_lr, "best_lr": best["lr"],
+                    "best_at_edge": best["lr"] in (by_lr[0]["lr"], by_lr[-1]["lr"])})
+    return out
 
 
 def _dense_ladder(df: pd.DataFrame) -> list[dict[str, Any]]:
@@ -204,6 +284,9 @@ def sweep_report(
         "vs_dense": {},
         "vs_dense_by_tier": {},
         "vs_dense_by_config": {},
+        "loss": "causal routing where recorded (top-k beside it)",
+        "paired": [],
+        "learning_rates": learning_rates(df),
         "dense_ladder": _dense_ladder(df),
         "causal_gap": None,
         "law": None,
@@ -219,6 +302,7 @@ def sweep_report(
             _config_label(key): _summary(g["delta"])
             for key, g in comparisons.groupby(list(CONFIG_KEYS), dropna=False)
         }
+        report["paired"] = paired(comparisons)
     if "val_loss_causal" in df.columns:
         routed = df[(df["stride"] > 1) & (df["capacity"] < 1)]
         gap = pd.to_numeric(routed["val_loss_causal"], errors="coerce") - routed["val_loss"]
@@ -263,8 +347,9 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
         "",
         "## Against the FLOP-matched dense model",
         "",
-        "Difference in validation loss (nats), run minus its dense reference of the same"
-        " context, width, seed and budget; positive means the dense model is better.",
+        "Difference in causal-routing validation loss (nats), run minus its dense reference"
+        " of the same context, width, seed and budget; positive means the dense model is"
+        " better.",
         "",
     ]
     if report["vs_dense"]:
@@ -292,6 +377,40 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
         lines.append("No non-dense run has a FLOP-matched dense reference in this table.")
     if report["unmatched"]:
         lines += ["", f"{report['unmatched']} non-dense runs have no dense reference and are not compared."]
+    if report["paired"]:
+        lines += [
+            "",
+            "### Per configuration, paired over seeds",
+            "",
+            "Mean +- standard error of the paired difference (causal; top-k mean beside it);"
+            " resolved when the 95% t-interval excludes zero (never with one seed).",
+            "",
+            "| C | T | width | configuration | seeds | mean +- SE | 95% interval | resolved | top-k mean |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for p in report["paired"]:
+            se = f" +- {p['se']:.3f}" if p["se"] is not None else " (1 seed)"
+            ci = f"[{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}]" if p["ci95"] else "-"
+            lines.append(
+                f"| {p['tier']:.2g} | {p['context']} | {p['width']} | {p['config']} | {p['n']} |"
+                f" {p['mean']:+.3f}{se} | {ci} | {'yes' if p['resolved'] else 'no'} |"
+                f" {p['mean_topk']:+.3f} |"
+            )
+    if report["learning_rates"]:
+        lines += ["", "## Peak learning rate", "",
+                  "Mean causal validation loss over seeds (+- standard error) at each peak"
+                  " learning rate; the best is bold.", ""]
+        for m in report["learning_rates"]:
+            cells = ", ".join(
+                ("**" if e["lr"] == m["best_lr"] else "")
+                + f"{e['lr']:g}: {e['mean']:.4f}"
+                + (f" +- {e['se']:.4f}" if e["se"] is not None else "")
+                + ("**" if e["lr"] == m["best_lr"] else "")
+                + f" (n={e['n']})"
+                for e in m["by_lr"]
+            )
+            edge = " (best at the edge of the tried range)" if m["best_at_edge"] else ""
+            lines.append(f"* {m['model']}, C = {m['tier']:.2g}, T = {m['context']}: {cells}{edge}")
     lines += ["", "## Dense ladder", "", "| context | C | widths | best width | loss |", "|---|---|---|---|---|"]
     for d in report["dense_ladder"]:
         mark = " (edge)" if d["at_edge"] else ""
