@@ -350,7 +350,29 @@ def test_recommend_uses_the_shipped_law() -> None:
 
 
 def test_plot_law_writes_pngs(mixed_fit: LawFit, mixed_runs: pd.DataFrame, tmp_path) -> None:
+    """Four PNGs, and the figures show the fit's numbers: the predicted-vs-observed
+    panel holds every fitted run at (observed, law's prediction) and every held-out
+    run at its refit prediction; the delta panel's points are ln L - ln L_dense law."""
+    from xmodlm.law.fit import predict_samples
+    from xmodlm.report import law_plots
+
     paths = plot_law(mixed_fit, mixed_runs, tmp_path)
-    assert len(paths) == 4
+    assert sorted(p.name for p in paths) == sorted(
+        ["law_isoflop.png", "law_pred_obs.png", "law_delta.png", "law_bootstrap.png"]
+    )
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    frame = validate(mixed_runs).frame
+    fig = law_plots._pred_obs(mixed_fit, frame)
+    in_fit, held = (c.get_offsets() for c in fig.axes[0].collections)
+    expected = np.exp(predict_samples(mixed_fit, frame).ln_point)
+    np.testing.assert_allclose(in_fit[:, 0], frame["val_loss"])
+    np.testing.assert_allclose(in_fit[:, 1], expected)
+    np.testing.assert_allclose(held[:, 0], mixed_fit.heldout_points["observed"])
+    np.testing.assert_allclose(held[:, 1], mixed_fit.heldout_points["predicted"])
+    assert fig.axes[0].get_xlabel() == "observed loss"
+    sparse = frame[frame["is_sparse"]]
+    fig = law_plots._delta(mixed_fit, frame)
+    points = np.vstack([c.get_offsets() for c in fig.axes[0].collections])
+    observed = np.log(sparse["val_loss"].to_numpy()) - predict_samples(mixed_fit, sparse).ln_dense
+    assert sorted(points[:, 1]) == pytest.approx(sorted(observed))
