@@ -274,6 +274,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from xmodlm.export import export_run
+
+    out = _check_out_dir(args.out)
+    config = export_run(args.run_dir, out, step=args.step)
+    if args.json:
+        _print_json({"out": str(out), **config})
+    else:
+        src = config["source"]
+        print(f"{out}: {src['checkpoint']} of {args.run_dir} ({config['layout']},"
+              f" vocab {config['vocab_size']}); load with xmodlm.load_pretrained({str(out)!r})"
+              " or transformers (trust_remote_code=True)")
+    return 0
+
+
 def cmd_law_fit(args: argparse.Namespace) -> int:
     from xmodlm.law.fit import fit_law
     from xmodlm.law.table import read_table
@@ -528,6 +543,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "export", help="write a run as safetensors + config.json + tokenizer (transformers-loadable)"
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="directory to write the exported model into")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default newest)")
+    p.add_argument("--json", action="store_true", help="print the written config.json")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("eval", help="held-out losses, routing statistics, downstream tasks")
     p.add_argument("run_dir")

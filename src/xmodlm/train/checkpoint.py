@@ -168,11 +168,24 @@ def load_model_weights(
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:
+    """The resume state (optimiser, counters, RNG) of a checkpoint.
+
+    Read with ``weights_only=True``: tensors, numbers, strings and containers only,
+    never arbitrary objects (a crafted ``state.pt`` cannot run code). Model weights
+    never come from here: they are safetensors (:func:`load_model_weights`).
+    """
     path = Path(ckpt) / "state.pt"
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise UserError(f"checkpoint state {path} cannot be read: {err}") from None
+        raise UserError(f"checkpoint state {path} cannot be read: {_one_line(err)}") from None
+    if not isinstance(state, dict):
+        raise UserError(f"checkpoint state {path} is not a state dictionary")
+    return state
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())[:300]
 
 
 def load_run(
