@@ -100,7 +100,7 @@ def test_route_equals_router_topk_gather() -> None:
     assert isinstance(block, RoutedBlock)
     torch.nn.init.normal_(block.router.weight)
     x = torch.randn(3, cfg.context, cfg.d_model, requires_grad=True)
-    k = routing.capacity_tokens(cfg.capacity, cfg.context)
+    k = flops.capacity_tokens(cfg.capacity, cfg.context)
     w = block.router.weight
 
     r, idx, xk = routing.route(x, w, k)

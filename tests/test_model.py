@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_model_cfg
+from xmodlm import flops
 from xmodlm.config import load_config, preset_names
 from xmodlm.model import Transformer, routing
 from xmodlm.model.blocks import RoutedBlock
@@ -76,7 +77,7 @@ def test_stride_one_equals_dense() -> None:
 def test_exactly_k_tokens_selected_and_sorted() -> None:
     r_BT = torch.randn(3, 50)
     for c in (0.01, 0.125, 0.5, 1.0):
-        k = routing.capacity_tokens(c, 50)
+        k = flops.capacity_tokens(c, 50)
         idx = routing.topk_indices(r_BT, k)
         assert idx.shape == (3, k)
         assert (idx[:, 1:] > idx[:, :-1]).all(), "indices must be sorted (causal order)"

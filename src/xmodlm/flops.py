@@ -12,6 +12,9 @@ Conventions (one for every family, so comparisons are fair):
 * an MoE block runs its router (2 d E) on every token and top_k expert MLPs;
 * training = 3 x forward.
 
+This module is arithmetic on configs and imports no torch: the model, the law
+and the recommender all read the rules above from here.
+
 Parameters: ``total`` counts every weight; ``non_embedding`` leaves out the token
 embedding and the LM head (unless tied, then the shared matrix once);
 ``active`` (N_ae) is the non-embedding parameters a token touches on average:
@@ -26,8 +29,22 @@ from dataclasses import dataclass
 
 from xmodlm.config import ModelConfig
 from xmodlm.errors import UserError
-from xmodlm.model.blocks import PREDICTOR_HIDDEN_DIV
-from xmodlm.model.routing import capacity_tokens
+
+PREDICTOR_HIDDEN_DIV = 4  # the causal predictor's hidden width is d_model / 4
+
+
+def capacity_tokens(capacity: float, seq_len: int) -> int:
+    """k = max(1, round(c * T)): the exact number of tokens a sparse block takes."""
+    return max(1, min(seq_len, round(capacity * seq_len)))
+
+
+def active_depth(cfg: ModelConfig, context: int | None = None) -> float:
+    """Active-equivalent depth: anchors (and MoE blocks) count 1, a sparse block the
+    fraction k / T of tokens it actually processes (k rounded, as executed)."""
+    T = context or cfg.context
+    layout = cfg.block_layout
+    n_sparse = layout.count("s")
+    return (len(layout) - n_sparse) + capacity_tokens(cfg.capacity, T) / T * n_sparse
 
 
 @dataclass(frozen=True)

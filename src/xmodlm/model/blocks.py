@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 from xmodlm.config import ModelConfig
+from xmodlm.flops import PREDICTOR_HIDDEN_DIV, capacity_tokens
 from xmodlm.model import routing
 from xmodlm.model.layers import Attention, RMSNorm, Rotary, SwiGLU, matmul_dtype
 from xmodlm.model.moe import MoEMLP
-
-PREDICTOR_HIDDEN_DIV = 4  # causal predictor hidden width = d_model / 4
 
 
 class Block(nn.Module):
@@ -142,9 +141,8 @@ class RoutedBlock(nn.Module):
             )
 
     def router_logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """r = x . w in fp32, whatever the autocast dtype."""
-        with torch.autocast(device_type=x_BTD.device.type, enabled=False):
-            return torch.matmul(x_BTD.float(), self.router.weight.float().reshape(-1))
+        """r = x . w in fp32, whatever the autocast dtype (:func:`routing.router_logits`)."""
+        return routing.router_logits(x_BTD, self.router.weight)
 
     def decision_logits(self, x_BTD: torch.Tensor, r_BT: torch.Tensor) -> torch.Tensor:
         """Logit of the causal decision: the router itself, or the stop-gradient predictor."""
@@ -168,10 +166,10 @@ class RoutedBlock(nn.Module):
         B, T, _ = x_BTD.shape
         if mode == "topk":
             # router, top-k and gather in one autograd node (router_logits' numbers)
-            k = routing.capacity_tokens(self.capacity, T)
+            k = capacity_tokens(self.capacity, T)
             r_BT, idx_BK, x_BKD = routing.route(x_BTD, self.router.weight, k)
             d_BT = self.decision_logits(x_BTD, r_BT)
-            causal_BT = d_BT > 0
+            causal_BT = routing.causal_decision(d_BT)
             topk_BT = routing.selection_mask(idx_BK, T)
             cos_T, sin_T = rope(pos_T) if rot is None else rot
             f_BKD, _ = self.block.branch(x_BKD, cos_T[idx_BK], sin_T[idx_BK])
@@ -181,7 +179,7 @@ class RoutedBlock(nn.Module):
         elif mode == "causal":
             r_BT = self.router_logits(x_BTD)
             d_BT = self.decision_logits(x_BTD, r_BT)
-            causal_BT = d_BT > 0
+            causal_BT = routing.causal_decision(d_BT)
             topk_BT = None
             x_BTD = self.masked_forward(x_BTD, r_BT, causal_BT, rope, pos_T)
             processed = causal_BT
@@ -202,12 +200,7 @@ class RoutedBlock(nn.Module):
         pos_T: torch.Tensor,
     ) -> torch.Tensor:
         """Reference path: full-length compute, attention over selected keys only."""
-        T = x_BTD.shape[1]
-        causal_TT = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril()
-        eye_TT = torch.eye(T, dtype=torch.bool, device=x_BTD.device)
-        # unselected queries attend to themselves only (their output is discarded);
-        # this keeps every softmax row non-empty.
-        mask_BTT = (causal_TT & sel_BT.unsqueeze(1)) | eye_TT
+        mask_BTT = routing.routed_attention_mask(sel_BT)
         cos, sin = rope(pos_T)
         f_BTD, _ = self.block.branch(x_BTD, cos, sin, mask_BTT)
         g_BT = self.gate(r_BT) * sel_BT

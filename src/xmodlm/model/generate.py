@@ -149,7 +149,7 @@ class Decoder:
         self, block: RoutedBlock, cache: BlockCache, x: torch.Tensor, valid_BT: torch.Tensor
     ) -> torch.Tensor:
         r_BT = block.router_logits(x)
-        sel_BT = (block.decision_logits(x, r_BT) > 0) & valid_BT
+        sel_BT = routing.causal_decision(block.decision_logits(x, r_BT)) & valid_BT
         counts_B = sel_BT.sum(1)
         counts = counts_B.tolist()
         kmax = max(counts)
@@ -159,11 +159,8 @@ class Decoder:
         idx_BK = torch.sort((~sel_BT).to(torch.int32), dim=1, stable=True).indices[:, :kmax]
         valid_BK = torch.arange(kmax, device=x.device).unsqueeze(0) < counts_B.unsqueeze(1)
         mask = None
-        if min(counts) != kmax:
-            causal_KK = torch.ones(kmax, kmax, dtype=torch.bool, device=x.device).tril()
-            eye_KK = torch.eye(kmax, dtype=torch.bool, device=x.device)
-            # padding queries attend to themselves only (their output is zeroed below)
-            mask = ((causal_KK & valid_BK.unsqueeze(1)) | eye_KK).unsqueeze(1)
+        if min(counts) != kmax:  # padding queries see themselves; outputs zeroed below
+            mask = routing.routed_attention_mask(valid_BK).unsqueeze(1)
         x_BKD = routing.gather_tokens(x, idx_BK)
         cos, sin = self.model.rope(idx_BK)  # right padding: position = index
         f_BKD, k, v = block.block.branch_with(
@@ -188,7 +185,7 @@ class Decoder:
         for block, cache in zip(model.blocks, self.cache.blocks, strict=True):
             if isinstance(block, RoutedBlock):
                 r_B1 = block.router_logits(x)
-                sel = (block.decision_logits(x, r_B1)[:, 0] > 0).tolist()
+                sel = routing.causal_decision(block.decision_logits(x, r_B1)[:, 0]).tolist()
                 if all(sel):
                     f = self._step_block(block.block, cache, x, cos, sin, pos_B)
                     x = x + (block.gate(r_B1).unsqueeze(-1) * f).to(x.dtype)
@@ -545,7 +542,7 @@ def calibrate_routers_(
                 logit = block.predictor(x_ND).squeeze(-1)
                 last.bias -= torch.quantile(logit, 1.0 - fraction)
             d = block.decision_logits(x, block.router_logits(x))
-            reached.append(float((d > 0).float().mean()))
+            reached.append(float(routing.causal_decision(d).float().mean()))
         x, _ = block(x, model.rope, pos_T, "causal")
     return reached
 

@@ -3,6 +3,10 @@
 Everything that decides *which* tokens a sparse block processes and *how much*
 its output counts lives here, separately testable and free of module state:
 
+* the router logits (:func:`router_logits`), the causal decision
+  (:func:`causal_decision`) and the attention mask among routed tokens
+  (:func:`routed_attention_mask`), used alike by training, the masked
+  reference path and decoding;
 * expert-choice top-k per sequence (:func:`topk_indices`), gather and scatter,
   and :func:`route` (router logits, top-k and gather as one autograd node);
 * the gates ``logit | sigmoid | variance_scaled`` (:func:`gate`) and the solver
@@ -24,9 +28,31 @@ import torch
 import torch.nn.functional as F
 
 
-def capacity_tokens(capacity: float, seq_len: int) -> int:
-    """k = max(1, round(c * T)): the exact number of tokens a sparse block takes."""
-    return max(1, min(seq_len, round(capacity * seq_len)))
+def causal_decision(d_BT: torch.Tensor) -> torch.Tensor:
+    """The causal routing decision: a token is processed iff its decision logit is
+    positive (sigmoid(r) > 1/2 for the router's own logit, or the predictor's logit
+    > 0). One rule for training statistics, the masked reference path and decoding."""
+    return d_BT > 0
+
+
+def router_logits(x_BTD: torch.Tensor, w_1D: torch.Tensor) -> torch.Tensor:
+    """r = x . w in fp32 whatever the autocast dtype; a fresh (B, T) tensor, not a view."""
+    with torch.autocast(device_type=x_BTD.device.type, enabled=False):
+        return torch.matmul(x_BTD.float(), w_1D.float().reshape(-1))
+
+
+def routed_attention_mask(valid_BK: torch.Tensor) -> torch.Tensor:
+    """(B, K, K) boolean mask for attention among routed tokens held in causal order.
+
+    Query j sees key i <= j when key i is valid (selected, not padding); an invalid
+    query sees only itself (its output is discarded), so every softmax row stays
+    non-empty. Serves the masked reference path (K = T, valid = selected) and
+    ragged prefill (K = the most tokens any sequence routes, valid = not padding).
+    """
+    K = valid_BK.shape[1]
+    causal_KK = torch.ones(K, K, dtype=torch.bool, device=valid_BK.device).tril()
+    eye_KK = torch.eye(K, dtype=torch.bool, device=valid_BK.device)
+    return (causal_KK & valid_BK.unsqueeze(1)) | eye_KK
 
 
 def topk_indices(
@@ -68,9 +94,7 @@ class _RouteFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_BTD, w_1D, k, valid_BT):  # noqa: ANN001, ANN205
-        with torch.autocast(device_type=x_BTD.device.type, enabled=False):
-            # matmul with the weight as a vector: r is a fresh (B, T) tensor, not a view
-            r_BT = torch.matmul(x_BTD.float(), w_1D.float().reshape(-1))
+        r_BT = router_logits(x_BTD, w_1D)
         idx_BK = topk_indices(r_BT, k, valid_BT)
         ctx.save_for_backward(x_BTD, w_1D, idx_BK)
         ctx.mark_non_differentiable(idx_BK)

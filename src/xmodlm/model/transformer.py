@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from xmodlm.config import ModelConfig
+from xmodlm.flops import active_depth, capacity_tokens
 from xmodlm.model import routing
 from xmodlm.model.blocks import BlockOutput, DenseBlock, RoutedBlock
 from xmodlm.model.layers import RMSNorm, Rotary, cross_entropy_fp32, matmul_dtype
@@ -50,12 +51,6 @@ def stride_windows(layout: str) -> list[list[int]]:
         elif i > 0:
             windows.append([])
     return [w for w in windows if w]
-
-
-def active_depth(cfg: ModelConfig) -> float:
-    """Active-equivalent depth: anchors count 1, sparse blocks count c."""
-    layout = cfg.block_layout
-    return (len(layout) - layout.count("s")) + cfg.capacity * layout.count("s")
 
 
 class Transformer(nn.Module):
@@ -123,7 +118,7 @@ class Transformer(nn.Module):
         if not routed:
             return []
         T = self.cfg.context
-        if routing.capacity_tokens(self.cfg.capacity, T) == T:
+        if capacity_tokens(self.cfg.capacity, T) == T:
             gamma = routing.NEUTRAL_GAMMA
         else:
             param = next(self.parameters())
