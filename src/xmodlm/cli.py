@@ -477,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="xmod",
         description="Sparse-depth language models (X-MoD): train, evaluate, fit scaling laws.",
     )
+    from xmodlm import __version__
+
+    parser.add_argument("--version", action="version", version=f"xmod-lm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("info", help="parameters, FLOPs per token and layout of a config")
