@@ -186,7 +186,6 @@ CASES: list[tuple[str, list[str], int]] = [
     ("info section not mapping", ["info", "{badsection_yaml}"], 2),
     ("info no config", ["info"], 2),
     ("info unknown flag", ["info", "xmod-tiny", "--bogus"], 2),
-    ("no command", [], 2),
     ("unknown command", ["nosuchcmd"], 2),
     ("presets extra argument", ["presets", "extra"], 2),
     ("train empty yaml", ["train", "{empty_yaml}", "--out", "{new}"], 2),
@@ -457,7 +456,7 @@ def test_resume_cleans_abandoned_checkpoints_and_torn_metrics(
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "loss": 4.')  # torn by a kill
     capsys.readouterr()
-    assert main([*_train_args(world, out), "--set", "train.max_steps=3"]) == 0
+    assert main([*_train_args(world, out), "--set", "train.max_steps=3", "--force"]) == 0
     assert not tmp.exists() and str(tmp) in capsys.readouterr().err
     from xmodlm.train.trainer import read_metrics
 

@@ -207,7 +207,7 @@ def test_corrupt_checkpoint_falls_back_to_previous(
     _, _, used = load_run(run)
     assert used.name == "step_00000003"
     cfg2 = small_cfg(tiny_data_dir, "train.max_steps=8", "train.ckpt_every=3", "train.keep_last=3")
-    summary = train(cfg2, run, progress=False)
+    summary = train(cfg2, run, progress=False, force=True)  # a longer budget: --force
     err = capsys.readouterr().err
     assert str(newest) in err and "unusable" in err
     assert summary["steps"] == 8

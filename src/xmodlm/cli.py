@@ -32,12 +32,64 @@ from xmodlm.errors import UserError
 Handler = Callable[[argparse.Namespace], int]
 
 
+class _Formatter(argparse.HelpFormatter):
+    """``--help`` shows each option's default (unless unset, off, or already said)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default in (None, False, argparse.SUPPRESS, [])
+            or not (action.option_strings or action.nargs in ("?", "*"))
+        ):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 class _Parser(argparse.ArgumentParser):
     """ArgumentParser whose errors are one line and exit status 2 (no usage dump)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        if kwargs.get("help") is None and kwargs.get("default") not in (None, False):
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
+
+
+class _LazyChoices:
+    """argparse ``choices`` read on first use (the law registry imports pandas)."""
+
+    def __init__(self, load: Callable[[], list[str]]) -> None:
+        self._load = load
+        self._items: list[str] | None = None
+
+    def _all(self) -> list[str]:
+        if self._items is None:
+            self._items = self._load()
+        return self._items
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._all()
+
+    def __iter__(self) -> Any:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+def _delta_forms() -> list[str]:
+    from xmodlm.law.delta import FORMS
+
+    return ["auto", *FORMS]
 
 
 def _print_json(obj: Any) -> None:
@@ -177,9 +229,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from xmodlm.config import load_config
     from xmodlm.train.trainer import train
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.device is not None:
+        _check_device(args.device)  # cpu, cuda, cuda:N or auto; CUDA only where present
+        overrides.append(f"train.device={args.device}")
+    cfg = load_config(args.config, overrides)
     _check_out_dir(args.out)
-    summary = train(cfg, args.out, progress=not args.quiet, restart=args.restart)
+    summary = train(cfg, args.out, progress=not args.quiet, restart=args.restart,
+                    force=args.force)
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports, others have no eval
+        return {"ok": 0, "interrupted": 130}.get(summary["status"], 1)
     if args.json:
         _print_json(summary)
     else:
@@ -385,7 +444,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(result)
     else:
-        print(f"loss top-k {result['val_loss_topk']:.4f}  causal {result['val_loss_causal']:.4f}"
+        print(f"{result['split']} loss top-k {result['val_loss_topk']:.4f}"
+              f"  causal {result['val_loss_causal']:.4f}"
               f"  bpb {result['val_bpb']:.4f}  agreement {result['routing_agreement']}")
         for name, task in result["tasks"].items():
             lo, hi = task["ci95"]
@@ -508,8 +568,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model; rerun on the same --out to resume")
     _add_config_args(p)
     p.add_argument("--out", required=True, help="run directory")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:N or auto (default: the config's train.device)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no configuration echo and no progress (bar on a terminal, else lines)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--force", action="store_true",
+                   help="resume even though train settings (e.g. max_steps) changed")
     p.add_argument("--restart", action="store_true",
                    help="discard the run's checkpoints and metrics and train from step 0"
                         " (needed when none of its checkpoints loads)")
@@ -599,7 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
     law_sub = p.add_subparsers(dest="law_command", required=True, parser_class=_Parser)
     p = law_sub.add_parser("fit", help="fit the dense law and the X-MoD delta law")
     p.add_argument("results", help="results table (CSV or Parquet)")
-    p.add_argument("--form", default="auto", help="delta form (auto: chosen by held-out error)")
+    p.add_argument("--form", default="auto", choices=_LazyChoices(_delta_forms),
+                   help="delta form (auto: chosen by held-out error)")
     p.add_argument("--holdout", default=None,
                    help="leave-cell-out | top-compute | longest-context")
     p.add_argument("--n-boot", type=int, default=1000,
@@ -702,6 +768,9 @@ def _trace_file(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # bare `xmod`: the command list
+        parser.print_help()
+        return 0
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help (0) or an argument the parser rejected (2)

@@ -194,8 +194,11 @@ class TrainConfig:
     keep_last: int = 2
     max_bad_steps: int = 5  # consecutive non-finite losses before the run is "diverged"
     fsdp: bool = False
-    tensorboard: bool = False
-    wandb: bool = False
+    tensorboard: bool = False  # TensorBoard event files in RUN_DIR/tb (needs tensorboard)
+    wandb: bool = False  # Weights & Biases (needs wandb); a resumed run continues the same W&B run
+    wandb_project: str = ""  # empty: W&B's default project
+    wandb_entity: str = ""  # empty: W&B's default entity
+    wandb_tags: str = ""  # comma-separated
 
     def validate(self) -> None:
         _positive(self, "batch_size", "grad_accum", "keep_last", "eval_every", "log_every",
@@ -224,6 +227,10 @@ class TrainConfig:
                 f"train.grad_clip={self.grad_clip}: must be > 0 (the largest gradient norm;"
                 " a huge value such as 1e9 leaves gradients unclipped)"
             )
+
+
+_ON_OFF = {(TrainConfig, "compile")}
+"""String settings whose values include on/off, which YAML 1.1 reads as true/false."""
 
 
 @dataclass
@@ -293,6 +300,8 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         )
     kwargs = {}
     for name, value in raw.items():
+        if (cls, name) in _ON_OFF and isinstance(value, bool):  # YAML reads on/off as booleans
+            value = "on" if value else "off"
         kwargs[name] = _coerce(hints[name], value, f"{where}.{name}" if where else name)
     return cls(**kwargs)
 

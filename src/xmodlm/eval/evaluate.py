@@ -41,7 +41,9 @@ def evaluate_run(
 
     ``data_dir`` defaults to the run config's ``data.dir``; ``items_dir`` (task
     items, built once and reused) to ``RUN_DIR/eval_items``. Returns a JSON-able
-    dict: ``val_loss_topk``, ``val_loss_causal``, ``val_bpb``, ``val_bpb_causal``,
+    dict: ``val_loss_topk``, ``val_loss_causal``, ``val_bpb``, ``val_bpb_causal``
+    (the losses on ``split`` whatever it is; for a split other than ``val`` also under
+    its own name: ``test_loss_topk``, ``test_loss_causal``, ``test_bpb``, ``test_bpb_causal``),
     ``routing_agreement`` (None without sparse blocks), ``capacity_causal`` (one
     fraction per sparse block; empty without), ``tasks`` = {name: {accuracy, items,
     chance}} and bookkeeping (``checkpoint``, ``step``, ``split``, ``eval_tokens``).
@@ -84,6 +86,9 @@ def evaluate_run(
         "capacity_causal": ev.get("capacity_causal", []),
         "capacity_target": cfg.model.capacity if "s" in model.layout else None,
     }
+    if split != "val":  # the val_* keys are kept for readers of earlier results
+        for key in ("loss_topk", "loss_causal", "bpb", "bpb_causal"):
+            result[f"{split}_{key}"] = result[f"val_{key}"]
     for key in ("coverage", "depth_hist", "jaccard"):
         if key in ev:
             result[key] = ev[key]

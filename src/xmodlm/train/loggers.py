@@ -1,18 +1,39 @@
-"""Where training records go: metrics.jsonl, a progress bar, optional trackers.
+"""Where training records go: metrics.jsonl, progress, optional trackers.
 
-TensorBoard and Weights & Biases are imported only when switched on, so neither
-is a dependency. Only rank 0 logs (``enabled``).
+Progress is a tqdm bar when stderr is a terminal, else one plain line every
+:data:`PLAIN_EVERY_S` seconds (and at the last step), so logs of batch jobs stay
+readable. TensorBoard and Weights & Biases are imported only when switched on, so
+neither is a dependency; a missing package is one clear error before any work
+(:func:`check_trackers`). Only rank 0 logs (``enabled``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from xmodlm.config import Config
+from xmodlm.errors import UserError
 from xmodlm.train.checkpoint import atomic_write_text
+
+PLAIN_EVERY_S = 30.0
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def check_trackers(cfg: Config) -> None:
+    """The packages of the trackers switched on are installed (else a UserError)."""
+    wanted = [("tensorboard", "tensorboard", cfg.train.tensorboard),
+              ("wandb", "wandb", cfg.train.wandb)]
+    for key, module, on in wanted:
+        if on and importlib.util.find_spec(module) is None:
+            raise UserError(
+                f"train.{key}=true needs the {module} package, which is not installed:"
+                f" pip install {module} (or 'xmod-lm[tracking]'), or set train.{key}=false"
+            )
 
 
 class MetricLogger:
@@ -55,7 +76,9 @@ class MetricLogger:
         if not self.enabled:
             return
         self._file = open(self.path, "a")  # noqa: SIM115 (closed in close())
-        if self.show_progress:
+        self.total_steps = total_steps
+        self._last_plain = time.monotonic()
+        if self.show_progress and _isatty(sys.stderr):
             from tqdm import tqdm
 
             self.bar = tqdm(
@@ -70,16 +93,17 @@ class MetricLogger:
         self._file.flush()
         for tracker in self.trackers:
             tracker.log(record)
-        if self.bar is not None and record.get("kind") == "eval":
-            self.bar.write(
+        if self.show_progress and record.get("kind") == "eval":
+            self.note(
                 f"step {record['step']}: val loss {record['val_loss_topk']:.4f} (top-k)"
                 f" {record['val_loss_causal']:.4f} (causal)"
-                + (f", {record['val_bpb']:.4f} bpb" if "val_bpb" in record else ""),
-                file=sys.stderr,
+                + (f", {record['val_bpb']:.4f} bpb" if "val_bpb" in record else "")
             )
 
     def advance(self, record: dict[str, Any]) -> None:
         if self.bar is None:
+            if self.show_progress:
+                self._plain(record)
             return
         self.bar.update(1)
         self.bar.set_postfix(
@@ -87,6 +111,19 @@ class MetricLogger:
             tok_s=f"{record['tokens_per_s']:.0f}",
             mfu=f"{record['mfu']:.2f}",
             refresh=False,
+        )
+
+    def _plain(self, record: dict[str, Any]) -> None:
+        """Not a terminal: a plain line every PLAIN_EVERY_S seconds and at the last step."""
+        now = time.monotonic()
+        last = record["step"] >= getattr(self, "total_steps", 0)
+        if now - self._last_plain < PLAIN_EVERY_S and not last:
+            return
+        self._last_plain = now
+        print(
+            f"step {record['step']}/{self.total_steps}: loss {record['loss']:.4f},"
+            f" {record['tokens_per_s']:.0f} tok/s, mfu {record['mfu']:.2f}",
+            file=sys.stderr, flush=True,
         )
 
     def close(self) -> None:
@@ -107,22 +144,57 @@ class _TensorBoard:
     def log(self, record: dict[str, Any]) -> None:
         prefix = "eval/" if record.get("kind") == "eval" else "train/"
         for key, value in record.items():
-            if isinstance(value, (int, float)) and key != "step":
+            if key == "step" or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
                 self.writer.add_scalar(prefix + key, value, record["step"])
+            elif isinstance(value, list):  # per layer (or per bin): one scalar each
+                for i, item in enumerate(value):
+                    if isinstance(item, (int, float)) and not isinstance(item, bool):
+                        self.writer.add_scalar(f"{prefix}{key}/{i}", item, record["step"])
 
     def close(self) -> None:
         self.writer.close()
 
 
 class _WandB:
+    """One W&B run per run directory: its id is kept in ``RUN_DIR/wandb_run_id``, so a
+    resumed training continues the same W&B run instead of starting another."""
+
     def __init__(self, run: Path, cfg: Config) -> None:
         import wandb
 
-        self.run = wandb.init(name=cfg.name, dir=str(run), config=cfg.to_dict(), resume="allow")
+        t = cfg.train
+        id_file = run / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else ""
+        if not run_id:
+            run_id = wandb.util.generate_id()
+            atomic_write_text(id_file, run_id + "\n")
+        tags = [tag.strip() for tag in t.wandb_tags.split(",") if tag.strip()]
+        self.run = wandb.init(
+            id=run_id, resume="allow", name=cfg.name, dir=str(run), config=cfg.to_dict(),
+            project=t.wandb_project or None, entity=t.wandb_entity or None, tags=tags or None,
+        )
 
     def log(self, record: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+        scalars: dict[str, Any] = {}
+        for key, value in record.items():
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
+                scalars[key] = value
+            elif isinstance(value, list):
+                for i, item in enumerate(value):
+                    if isinstance(item, (int, float)) and not isinstance(item, bool):
+                        scalars[f"{key}/{i}"] = item
         self.run.log(scalars, step=record["step"])
 
     def close(self) -> None:
         self.run.finish()
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False

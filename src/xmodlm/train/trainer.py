@@ -47,7 +47,7 @@ from xmodlm.hardware import (
 from xmodlm.model import Transformer
 from xmodlm.train import checkpoint as ckpt_io
 from xmodlm.train.lock import run_lock
-from xmodlm.train.loggers import MetricLogger
+from xmodlm.train.loggers import MetricLogger, check_trackers
 from xmodlm.train.optim import build_optimizer, lr_at
 
 
@@ -201,8 +201,32 @@ def _mean_nested(values: list[Any]) -> Any:
     return sum(values) / len(values)
 
 
-def _prepare_run_dir(cfg: Config, run: Path, is_main: bool) -> None:
-    """Write (or check) the resolved config; a run directory belongs to one model."""
+RESUME_FREE = frozenset({
+    "device", "compile", "eval_every", "log_every", "ckpt_every", "keep_last", "max_bad_steps",
+    "tensorboard", "wandb", "wandb_project", "wandb_entity", "wandb_tags",
+})
+"""Train settings a resumed run may change freely: they do not change what is trained."""
+
+
+def _changed_train_settings(old: Config, new: Config) -> list[str]:
+    """``key: old -> new`` for each train setting (outside RESUME_FREE) that differs."""
+    out = []
+    for key, value in new.train.__dict__.items():
+        before = getattr(old.train, key, None)
+        if key not in RESUME_FREE and before != value:
+            out.append(f"train.{key}: {before!r} -> {value!r}")
+    return out
+
+
+def _prepare_run_dir(
+    cfg: Config, run: Path, is_main: bool, force: bool = False, restart: bool = False
+) -> None:
+    """Write (or check) the resolved config; a run directory belongs to one model.
+
+    Resuming with other train settings (budget, schedule, batch, seed...) would
+    silently train something else than either config says: refused unless ``force``
+    (or ``restart``, which starts over).
+    """
     path = run / "config.yaml"
     if path.is_file():
         old = load_config(path)
@@ -210,6 +234,13 @@ def _prepare_run_dir(cfg: Config, run: Path, is_main: bool) -> None:
             raise UserError(
                 f"run directory {str(run)!r} holds a run with a different model or data config:"
                 " resume with the same config or choose a new --out"
+            )
+        changed = _changed_train_settings(old, cfg)
+        if changed and not (force or restart) and ckpt_io.checkpoint_dirs(run):
+            raise UserError(
+                f"run directory {str(run)!r} was trained with other train settings"
+                f" ({'; '.join(changed)}): resume with the same settings, or pass --force"
+                " to continue with the new ones (--restart to start over)"
             )
     if is_main:
         run.mkdir(parents=True, exist_ok=True)
@@ -328,6 +359,7 @@ def train(
     progress: bool = True,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
     restart: bool = False,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Train ``cfg`` into ``run_dir`` (resuming if it holds checkpoints).
 
@@ -336,9 +368,12 @@ def train(
     directory is locked for the whole run (one writer; see :mod:`xmodlm.train.lock`).
     If the run has checkpoints and none of them loads, this stops with a
     :class:`UserError` unless ``restart``; ``restart`` discards the run's
-    checkpoints, metrics and summary and trains from step 0.
+    checkpoints, metrics and summary and trains from step 0. Resuming with changed
+    train settings (say ``max_steps``) is refused unless ``force``. With ``progress``
+    one line on stderr echoes the configuration before the first step.
     """
     cfg.validate()
+    check_trackers(cfg)
     run = Path(run_dir)
     t = cfg.train
     device = resolve_device(t.device)
@@ -357,7 +392,7 @@ def train(
 
     # one writer per run directory: a second `xmod train` on it is refused
     with _writer_lock(run, ddp.is_main):
-        _prepare_run_dir(cfg, run, ddp.is_main)
+        _prepare_run_dir(cfg, run, ddp.is_main, force=force, restart=restart)
         if ddp.is_main:
             _clear_run(run, restart)
         env = environment_record()  # the code this start runs (a sweep may outlive a commit)
@@ -380,6 +415,8 @@ def train(
         counts = flops.count(cfg.model)
         dtype = resolve_dtype(t.dtype, device)
         peak = matmul_peak_gflops(dtype, device.type) * 1e9 * ddp.world_size
+        if progress:
+            logger.note(_echo(cfg, counts, budget, device, dtype, ddp, state.step, run))
         stop = _StopFlag()
         logger.start(budget.total_steps, state.step)
         status = "ok"
@@ -445,6 +482,23 @@ def train(
         if ddp.is_main and status != "interrupted":
             ckpt_io.atomic_write_json(run / "summary.json", summary)
         return summary
+
+
+def _echo(
+    cfg: Config, counts: flops.Counts, budget: Budget, device: torch.device, dtype: str,
+    ddp: Dist, step: int, run: Path,
+) -> str:
+    """The one-line configuration echo at the start (or resume) of a run."""
+    m, t = cfg.model, cfg.train
+    start = f"resuming at step {step}" if step else "starting"
+    compile_ = t.compile if t.compile != "auto" else f"auto ({'on' if device.type == 'cuda' else 'off'})"
+    return (
+        f"{cfg.name}: {start} -> {budget.total_steps} steps ({budget.source}),"
+        f" layout {m.block_layout} (d {m.d_model}, S {m.stride}, c {m.capacity:g}, T {m.context}),"
+        f" {counts.params_total / 1e6:.3g}M params ({counts.params_active / 1e6:.3g}M active),"
+        f" {budget.tokens_per_step} tokens/step, lr {t.lr:g} {t.schedule}, seed {t.seed},"
+        f" {device} x{ddp.world_size} {dtype}, compile {compile_}, run {run}"
+    )
 
 
 def _shard(model: Transformer) -> None:
