@@ -16,6 +16,9 @@ dense references (width, depth), family variants and seeds::
     seeds: [0]
     set: [train.warmup_steps=20]
 
+``batch_tokens`` (optional) sets each run's batch size to batch_tokens / T, so
+runs at different contexts take the same tokens per optimiser step.
+
 Every non-dense run is FLOP-matched to its dense reference (same width, depth
 chosen so training FLOPs per token are closest; DESIGN 4) and every run gets the
 same compute C, so D = C / F_token. A run's id is a hash of its fully resolved
@@ -44,7 +47,9 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "xmod": {"gating": "variance_scaled", "balance_coef": 1e-2},
     "moe": {"n_experts": 8, "moe_top_k": 2},
 }
-SPEC_KEYS = {"name", "base", "compute", "context", "dense", "families", "seeds", "set"}
+SPEC_KEYS = {
+    "name", "base", "compute", "context", "dense", "families", "seeds", "set", "batch_tokens",
+}
 ROUTING_KEYS = {"stride", "capacity", "gating", "balance_coef", "causal_router", "causal_coef"}
 MOE_KEYS = {"n_experts", "moe_top_k", "moe_aux_coef", "moe_z_coef"}
 LAYOUT_KEYS = {"anchors"}  # "stride" (every S-th block, the default) | "first" (block 0 only)
@@ -173,6 +178,9 @@ def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
             overrides.append(f"model.n_heads={dense_ref['n_heads']}")
         if context is not None:
             overrides.append(f"model.context={context}")
+        if spec.get("batch_tokens"):  # the same tokens per step at every context
+            T = int(context) if context is not None else load_config(base).model.context
+            overrides.append(f"train.batch_size={max(1, int(spec['batch_tokens']) // T)}")
         dense_cfg = load_config(base, overrides)
         for variant in _variants(family_entry):
             cfg = _resolve_variant(dense_cfg, variant)
