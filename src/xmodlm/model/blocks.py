@@ -86,11 +86,18 @@ class BlockOutput:
 
 
 class DenseBlock(nn.Module):
-    """An anchor (``D``) or MoE (``E``) block: every token goes through."""
+    """An anchor (``D``) or MoE (``E``) block: every token goes through.
+
+    ``aux_weights``: the weight in the total loss of each auxiliary loss this
+    block returns (every block declares its own; the stack only sums).
+    """
 
     def __init__(self, cfg: ModelConfig, moe: bool = False) -> None:
         super().__init__()
         self.block = Block(cfg, moe=moe)
+        self.aux_weights = (
+            {"moe_balance": cfg.moe_aux_coef, "moe_z": cfg.moe_z_coef} if moe else {}
+        )
 
     def forward(
         self,
@@ -128,6 +135,7 @@ class RoutedBlock(nn.Module):
         self.gating = cfg.gating
         self.causal_router = cfg.causal_router
         self.router = nn.Linear(cfg.d_model, 1, bias=False)
+        self.aux_weights = {"causal_bce": cfg.causal_coef}  # see DenseBlock
         self.gamma: nn.Parameter | None = None
         if cfg.gating == "variance_scaled":
             # neutral until the stack calibrates it (Transformer.init_gates_);

@@ -1,6 +1,16 @@
-"""Token-choice top-k mixture-of-experts MLP, and its auxiliary losses as pure functions."""
+"""Token-choice top-k mixture-of-experts MLP, its router, and the router's
+auxiliary losses as pure functions.
+
+A router is an object of its own (:class:`TopKRouter`): it maps tokens to
+(expert, weight) pairs and returns its auxiliary losses. The MLP does not know
+which kind of router it holds, so a new routing rule (expert choice, sigmoid
+scores, a bias-balanced router) is one new class here with the same
+``forward`` contract, and nothing else changes.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +35,36 @@ def router_z_loss(logits_NE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_NE, dim=-1).pow(2).mean()
 
 
+class TopKRouter(nn.Module):
+    """Token choice: softmax scores in fp32, each token's top-k experts, weights
+    renormalised over the k; Switch balance loss and router z-loss.
+
+    ``forward(x_ND) -> (weight_NK, expert_NK, aux)``. The weight is a (E, D)
+    parameter named ``weight`` and initialised as ``nn.Linear``'s, so checkpoints
+    and random streams are those of a plain linear router.
+    """
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(
+        self, x_ND: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            logits_NE = F.linear(x_ND.float(), self.weight.float())
+        probs_NE = logits_NE.softmax(-1)
+        weight_NK, expert_NK = probs_NE.topk(self.top_k, dim=-1)
+        weight_NK = weight_NK / weight_NK.sum(-1, keepdim=True)
+        aux = {
+            "moe_balance": load_balancing_loss(probs_NE, expert_NK),
+            "moe_z": router_z_loss(logits_NE),
+        }
+        return weight_NK, expert_NK, aux
+
+
 class MoEMLP(nn.Module):
     """Dropless token-choice MoE: each token picks its top-k experts (router in fp32).
 
@@ -36,17 +76,13 @@ class MoEMLP(nn.Module):
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int) -> None:
         super().__init__()
         self.top_k = top_k
-        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.router = TopKRouter(d_model, n_experts, top_k)
         self.experts = nn.ModuleList(SwiGLU(d_model, d_ff) for _ in range(n_experts))
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        with torch.autocast(device_type=x_ND.device.type, enabled=False):
-            logits_NE = F.linear(x_ND.float(), self.router.weight.float())
-        probs_NE = logits_NE.softmax(-1)
-        weight_NK, expert_NK = probs_NE.topk(self.top_k, dim=-1)
-        weight_NK = weight_NK / weight_NK.sum(-1, keepdim=True)
+        weight_NK, expert_NK, aux = self.router(x_ND)
 
         flat_expert = expert_NK.flatten()
         order = torch.argsort(flat_expert, stable=True)
@@ -61,8 +97,4 @@ class MoEMLP(nn.Module):
         y_sorted = torch.cat(outs) * weight_NK.flatten()[order].unsqueeze(-1).to(outs[0].dtype)
         y_ND = torch.zeros(B * T, D, dtype=y_sorted.dtype, device=x_ND.device)
         y_ND = y_ND.index_add(0, token_of, y_sorted)
-        aux = {
-            "moe_balance": load_balancing_loss(probs_NE, expert_NK),
-            "moe_z": router_z_loss(logits_NE),
-        }
         return y_ND.view(B, T, D), aux

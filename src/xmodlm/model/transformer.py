@@ -68,6 +68,11 @@ class Transformer(nn.Module):
             self.head.weight = self.embed.weight
         self.rope = Rotary(cfg.head_dim, cfg.context, cfg.rope_theta)
         self.windows = stride_windows(self.layout)
+        # every auxiliary loss's weight, as declared by the blocks that return it;
+        # depth-wise balancing spans a window of blocks, so the stack declares it
+        self.aux_weights = {"balance": cfg.balance_coef}
+        for block in self.blocks:
+            self.aux_weights.update(block.aux_weights)
         self.reset_parameters()
 
     def _make_block(self, letter: str) -> nn.Module:
@@ -214,13 +219,9 @@ class Transformer(nn.Module):
             aux["balance"] = routing.balance_loss(
                 [torch.stack([probs[i] for i in w], dim=-1) for w in self.windows]
             )
-        weights = {
-            "causal_bce": cfg.causal_coef,
-            "balance": cfg.balance_coef,
-            "moe_balance": cfg.moe_aux_coef,
-            "moe_z": cfg.moe_z_coef,
-        }
-        terms = [weights[k] * v for k, v in aux.items() if weights[k] > 0]
+        undeclared = set(aux) - set(self.aux_weights)
+        assert not undeclared, f"auxiliary losses without a declared weight: {undeclared}"
+        terms = [self.aux_weights[k] * v for k, v in aux.items() if self.aux_weights[k] > 0]
         total = torch.stack(terms).sum() if terms else None
         return {k: v.detach() for k, v in aux.items()}, total
 
