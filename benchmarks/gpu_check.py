@@ -148,7 +148,8 @@ def _timed_steps(cfg: Config, device: torch.device, dtype: str, steps: int,
 
 def train_smoke(size: Size, data_dir: str, root: Path, say) -> dict[str, Any]:
     """``size.train_steps`` optimiser steps of every family through the trainer."""
-    from xmodlm.train.trainer import read_metrics, train
+    from xmodlm.train.loggers import read_metrics
+    from xmodlm.train.trainer import train
 
     out = {}
     for name, cfg in family_configs(size, data_dir).items():

@@ -458,7 +458,7 @@ def test_resume_cleans_abandoned_checkpoints_and_torn_metrics(
     capsys.readouterr()
     assert main([*_train_args(world, out), "--set", "train.max_steps=3", "--force"]) == 0
     assert not tmp.exists() and str(tmp) in capsys.readouterr().err
-    from xmodlm.train.trainer import read_metrics
+    from xmodlm.train.loggers import read_metrics
 
     steps = [r["step"] for r in read_metrics(out) if "loss" in r]
     assert steps == [1, 2, 3]

@@ -12,8 +12,8 @@ import xmodlm
 from xmodlm.cli import main
 from xmodlm.config import load_config
 from xmodlm.errors import UserError
-from xmodlm.export import export_run
-from xmodlm.model.generate import generate, generate_from_run
+from xmodlm.export import export_run, generate_from_run
+from xmodlm.model.generate import generate
 from xmodlm.train import checkpoint as ckpt_io
 from xmodlm.train.trainer import train
 

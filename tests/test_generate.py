@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_model_cfg
 from xmodlm.config import Config
 from xmodlm.errors import UserError
+from xmodlm.export import generate_from_run
 from xmodlm.model import Transformer, active_depth
 from xmodlm.model.blocks import RoutedBlock
 from xmodlm.model.generate import (
@@ -16,7 +17,6 @@ from xmodlm.model.generate import (
     decode_benchmark,
     decode_logits,
     generate,
-    generate_from_run,
     sample_next,
 )
 from xmodlm.model.kv_cache import KVCache, kv_bytes_formula
@@ -250,7 +250,19 @@ def test_generate_from_run(tmp_path) -> None:  # noqa: ANN001
     again = generate_from_run(run, ["the quick", "hello"], max_new_tokens=5, seed=0)
     assert texts == again
     greedy = generate_from_run(run, ["<|endoftext|>"], max_new_tokens=4, temperature=0)
-    assert len(greedy) == 1
+    # greedy text is the argmax chain of full causal-routing forward passes of the
+    # checkpoint's model, with nothing but the tokenizer between
+    from xmodlm.export import load_pretrained
+
+    model, tok = load_pretrained(run)
+    ids = [tok.eot_id]
+    with torch.no_grad():
+        for _ in range(4):
+            logits = model(torch.tensor([ids]), routing_mode="causal").logits[0, -1]
+            ids.append(int(logits[: tok.vocab_size].argmax()))
+    new = ids[1:]
+    new = new[: new.index(tok.eot_id)] if tok.eot_id in new else new
+    assert greedy == [tok.decode(new)]
     with pytest.raises(UserError, match="empty"):
         generate_from_run(run, [""], max_new_tokens=4)
     with pytest.raises(UserError, match="context is 32"):

@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 from test_train import small_cfg
-from xmodlm.train.trainer import read_metrics, train
+from xmodlm.train.loggers import read_metrics
+from xmodlm.train.trainer import train
 
 GOLDEN = Path(__file__).parent / "golden" / "losses.json"
 RTOL = 2e-5

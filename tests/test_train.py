@@ -18,8 +18,9 @@ from xmodlm.config import Config, TrainConfig, load_config
 from xmodlm.errors import UserError
 from xmodlm.train import checkpoint as ckpt_io
 from xmodlm.train.checkpoint import checkpoint_dirs, load_run
+from xmodlm.train.loggers import read_metrics
 from xmodlm.train.optim import lr_at
-from xmodlm.train.trainer import read_metrics, train
+from xmodlm.train.trainer import train
 
 
 def small_cfg(data_dir: Path, *extra: str) -> Config:

@@ -314,7 +314,7 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from xmodlm.model.generate import generate_from_run
+    from xmodlm.export import generate_from_run
 
     for prompt in args.prompt:
         _check_text(prompt, "--prompt")

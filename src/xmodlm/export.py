@@ -185,3 +185,31 @@ def load_pretrained(
             " nor a run directory (config.yaml)"
         )
     return model, tokenizer
+
+
+def generate_from_run(
+    path: str | Path,
+    prompts: list[str] | tuple[str, ...],
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    device: str = "cpu",
+) -> list[str]:
+    """``xmod generate PATH --prompt TEXT``: continue prompts with a run's newest
+    checkpoint or an exported model (:func:`load_pretrained`), causal routing.
+
+    Raises :class:`UserError` for a missing directory, a run without a complete
+    checkpoint or tokenizer, a checkpoint of another configuration, an empty
+    prompt, or a prompt longer than the context.
+    """
+    from xmodlm.model.generate import generate_text
+
+    if not Path(path).is_dir():
+        raise UserError(f"run directory {str(path)!r} not found")
+    model, tokenizer = load_pretrained(path, device)
+    return generate_text(
+        model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed,
+    )

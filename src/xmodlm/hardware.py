@@ -6,6 +6,7 @@ datasheet number, so CPU and GPU figures mean the same thing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -33,6 +34,16 @@ def resolve_device(name: str) -> torch.device:
 
 def autocast_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
+
+
+def autocast_context(
+    device: torch.device, dtype: str
+) -> contextlib.AbstractContextManager[Any]:
+    """Autocast to ``dtype`` (``bf16``/``fp32``, already resolved) on ``device``;
+    nothing for fp32 (weights are fp32 anyway)."""
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=autocast_dtype(dtype))
 
 
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX-512/AMX, Arm

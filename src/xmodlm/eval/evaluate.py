@@ -1,6 +1,6 @@
 """``evaluate_run``: everything ``xmod eval RUN_DIR`` reports about a trained run.
 
-Held-out loss under top-k and causal routing (``trainer.evaluate`` on fixed,
+Held-out loss under top-k and causal routing (:func:`xmodlm.eval.loss.evaluate` on fixed,
 stratified windows of the chosen split), bits per byte, top-k/causal agreement,
 per-sparse-block capacity actually used under causal routing, and accuracy on the
 offline downstream tasks of :mod:`xmodlm.eval.tasks`.
@@ -19,8 +19,8 @@ from xmodlm.data.batches import load_manifest, load_split, val_batches
 from xmodlm.data.tokenizer import Tokenizer
 from xmodlm.errors import UserError
 from xmodlm.eval import tasks as task_mod
+from xmodlm.eval.loss import evaluate
 from xmodlm.train.checkpoint import load_run, tokenizer_path
-from xmodlm.train.trainer import evaluate
 
 
 def evaluate_run(

@@ -43,7 +43,6 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -439,41 +438,6 @@ def generate_text(
     )
     eot = tokenizer.eot_id
     return [tokenizer.decode(t[:-1] if t and t[-1] == eot else t) for t in new]
-
-
-def generate_from_run(
-    run_dir: str | Path,
-    prompts: Sequence[str],
-    max_new_tokens: int = 64,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    device: str = "cpu",
-) -> list[str]:
-    """``xmod generate RUN_DIR --prompt TEXT``: continue prompts with a run's newest checkpoint.
-
-    Raises :class:`UserError` for a missing run directory, a run without a
-    complete checkpoint or tokenizer, a checkpoint of another configuration,
-    an empty prompt, or a prompt longer than the context.
-    """
-    from xmodlm.data.tokenizer import Tokenizer
-    from xmodlm.train.checkpoint import load_run, tokenizer_path
-
-    if not Path(run_dir).is_dir():
-        raise UserError(f"run directory {str(run_dir)!r} not found")
-    _, model, _ = load_run(run_dir, device)
-    tokenizer = Tokenizer.load(tokenizer_path(run_dir))
-    return generate_text(
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-    )
 
 
 # --- benchmarking ------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from xmodlm.model import Transformer
 from xmodlm.model.blocks import RoutedBlock
 from xmodlm.model.layers import matmul_dtype
 from xmodlm.train.checkpoint import load_run, tokenizer_path
-from xmodlm.train.trainer import read_metrics
+from xmodlm.train.loggers import read_metrics
 
 CMAP = "YlOrRd"
 LINE_CHARS = 90  # characters per rendered line of the passage

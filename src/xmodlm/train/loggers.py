@@ -9,6 +9,7 @@ neither is a dependency; a missing package is one clear error before any work
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import sys
@@ -198,3 +199,18 @@ def _isatty(stream: Any) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # replaced or closed streams
         return False
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of a run's metrics.jsonl (train and eval); a torn line (the writer
+    was killed mid-write) is skipped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records

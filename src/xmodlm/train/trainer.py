@@ -16,7 +16,6 @@ load them, and the optimiser state keyed by parameter name.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -34,10 +33,11 @@ from torch import nn
 
 from xmodlm import flops
 from xmodlm.config import Config, load_config
-from xmodlm.data.batches import bits_per_byte, get_batch, load_manifest, load_split, val_batches
+from xmodlm.data.batches import get_batch, load_manifest, load_split, val_batches
 from xmodlm.errors import UserError
+from xmodlm.eval.loss import evaluate
 from xmodlm.hardware import (
-    autocast_dtype,
+    autocast_context,
     environment_record,
     matmul_peak_gflops,
     resolve_device,
@@ -144,61 +144,6 @@ class _StopFlag:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-
-
-def _autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager[Any]:
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=autocast_dtype(dtype))
-
-
-@torch.no_grad()
-def evaluate(
-    model: Transformer,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    device: torch.device,
-    dtype: str,
-    manifest: dict[str, Any] | None = None,
-    split: str = "val",
-) -> dict[str, Any]:
-    """Validation loss under top-k and causal routing, bits per byte, routing stats."""
-    was_training = model.training
-    model.eval()
-    sums = {"topk": 0.0, "causal": 0.0}
-    stats_acc: dict[str, list[Any]] = {}
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        with _autocast(device, dtype):
-            out_t = model(x, y, routing_mode="topk", return_stats=True)
-            sums["topk"] += float(out_t.loss)
-            if "s" in model.layout:
-                out_c = model(x, y, routing_mode="causal", return_stats=True)
-                sums["causal"] += float(out_c.loss)
-                stats_acc.setdefault("capacity_causal", []).append(out_c.stats["capacity_used"])
-            else:
-                sums["causal"] += float(out_t.loss)
-        for key, value in out_t.stats.items():
-            stats_acc.setdefault(key, []).append(value)
-    model.train(was_training)
-    n = len(batches)
-    result: dict[str, Any] = {
-        "val_loss_topk": sums["topk"] / n,
-        "val_loss_causal": sums["causal"] / n,
-    }
-    if manifest is not None:
-        result["val_bpb"] = bits_per_byte(result["val_loss_topk"], manifest, split)
-        result["val_bpb_causal"] = bits_per_byte(result["val_loss_causal"], manifest, split)
-    for key, values in stats_acc.items():
-        result[key] = _mean_nested(values)
-    if "agreement_mean" in result:
-        result["routing_agreement"] = result.pop("agreement_mean")
-    return result
-
-
-def _mean_nested(values: list[Any]) -> Any:
-    if isinstance(values[0], list):
-        return [sum(v[i] for v in values) / len(values) for i in range(len(values[0]))]
-    return sum(values) / len(values)
 
 
 RESUME_FREE = frozenset({
@@ -552,7 +497,7 @@ def _train_step(
         sync = micro == t.grad_accum - 1 or not hasattr(model, "no_sync")
         ctx = contextlib.nullcontext() if sync else model.no_sync()
         with ctx:
-            with _autocast(device, dtype):
+            with autocast_context(device, dtype):
                 out = model(x, y)
             (out.total_loss / t.grad_accum).backward()
         loss_sum += out.loss.detach() / t.grad_accum
@@ -655,18 +600,3 @@ def _summary(
         "budget_source": budget.source,
         "wall_s": state.wall_s,
     }
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl (train and eval); a torn line (the writer
-    was killed mid-write) is skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict):
-                records.append(record)
-    return records

@@ -1,0 +1,64 @@
+"""Validation loss under both routings, bits per byte and routing statistics.
+
+One function serves evaluation inside training (the trainer calls it every
+``eval_every`` steps) and ``xmod eval`` after it, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from xmodlm.data.batches import bits_per_byte
+from xmodlm.hardware import autocast_context
+from xmodlm.model import Transformer
+
+
+@torch.no_grad()
+def evaluate(
+    model: Transformer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    dtype: str,
+    manifest: dict[str, Any] | None = None,
+    split: str = "val",
+) -> dict[str, Any]:
+    """Validation loss under top-k and causal routing, bits per byte, routing stats."""
+    was_training = model.training
+    model.eval()
+    sums = {"topk": 0.0, "causal": 0.0}
+    stats_acc: dict[str, list[Any]] = {}
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with autocast_context(device, dtype):
+            out_t = model(x, y, routing_mode="topk", return_stats=True)
+            sums["topk"] += float(out_t.loss)
+            if "s" in model.layout:
+                out_c = model(x, y, routing_mode="causal", return_stats=True)
+                sums["causal"] += float(out_c.loss)
+                stats_acc.setdefault("capacity_causal", []).append(out_c.stats["capacity_used"])
+            else:
+                sums["causal"] += float(out_t.loss)
+        for key, value in out_t.stats.items():
+            stats_acc.setdefault(key, []).append(value)
+    model.train(was_training)
+    n = len(batches)
+    result: dict[str, Any] = {
+        "val_loss_topk": sums["topk"] / n,
+        "val_loss_causal": sums["causal"] / n,
+    }
+    if manifest is not None:
+        result["val_bpb"] = bits_per_byte(result["val_loss_topk"], manifest, split)
+        result["val_bpb_causal"] = bits_per_byte(result["val_loss_causal"], manifest, split)
+    for key, values in stats_acc.items():
+        result[key] = _mean_nested(values)
+    if "agreement_mean" in result:
+        result["routing_agreement"] = result.pop("agreement_mean")
+    return result
+
+
+def _mean_nested(values: list[Any]) -> Any:
+    if isinstance(values[0], list):
+        return [sum(v[i] for v in values) / len(values) for i in range(len(values[0]))]
+    return sum(values) / len(values)

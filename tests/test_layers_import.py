@@ -1,0 +1,48 @@
+"""Layers point one way (docs/architecture.md): checked on the code's own imports."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "xmodlm"
+# what each folder (or module) must never import
+FORBIDDEN = {
+    "model": ("xmodlm.train", "xmodlm.sweep", "xmodlm.law", "xmodlm.report", "xmodlm.cli",
+              "xmodlm.eval", "xmodlm.bench"),
+    "flops.py": ("torch", "xmodlm.model", "xmodlm.train"),
+    "config.py": ("torch", "xmodlm.model", "xmodlm.train"),
+    "law": ("torch", "xmodlm.train", "xmodlm.sweep", "xmodlm.report", "xmodlm.cli"),
+    "eval": ("xmodlm.train.trainer", "xmodlm.sweep", "xmodlm.law", "xmodlm.cli"),
+    "report": ("xmodlm.train.trainer", "xmodlm.cli"),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_no_import_runs_upward() -> None:
+    bad = []
+    for where, forbidden in FORBIDDEN.items():
+        root = SRC / where
+        files = [root] if root.is_file() else sorted(root.rglob("*.py"))
+        for path in files:
+            for name in _imports(path):
+                if any(name == f or name.startswith(f + ".") for f in forbidden):
+                    bad.append(f"{path.relative_to(SRC)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_flop_accounting_loads_without_torch() -> None:
+    """flops.py is arithmetic on configs: importing it (and config) pulls in no torch."""
+    code = "import sys, xmodlm.flops; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
