@@ -223,9 +223,14 @@ ASSUMED_MFU = 0.3  # small models on CPU reach roughly this share of the matmul 
 
 
 def estimate_seconds(runs: list[RunSpec], workers: int = 1) -> list[float]:
-    """Rough wall time per run: compute / (measured bf16 matmul peak x ASSUMED_MFU),
-    slowed by sharing the machine's cores between ``workers`` concurrent runs."""
-    from xmodlm.hardware import matmul_peak_gflops
+    """Rough wall time per run: compute / (measured matmul peak x ASSUMED_MFU),
+    slowed by sharing the machine's cores between ``workers`` concurrent runs. The
+    peak is measured in the dtype training would use here (``train.dtype=auto``):
+    timing bf16 on a CPU that only emulates it would take seconds and mislead."""
+    import torch
 
-    rate = matmul_peak_gflops("bf16", "cpu") * 1e9 * ASSUMED_MFU / max(1, workers)
+    from xmodlm.hardware import matmul_peak_gflops, resolve_dtype
+
+    dtype = resolve_dtype("auto", torch.device("cpu"))
+    rate = matmul_peak_gflops(dtype, "cpu") * 1e9 * ASSUMED_MFU / max(1, workers)
     return [r.compute / rate for r in runs]
