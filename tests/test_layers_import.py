@@ -14,6 +14,7 @@ FORBIDDEN = {
               "xmodlm.eval", "xmodlm.bench"),
     "flops.py": ("torch", "xmodlm.model", "xmodlm.train"),
     "config.py": ("torch", "xmodlm.model", "xmodlm.train"),
+    "record.py": ("torch", "xmodlm.model", "xmodlm.train", "xmodlm.law", "xmodlm.sweep"),
     "law": ("torch", "xmodlm.train", "xmodlm.sweep", "xmodlm.report", "xmodlm.cli"),
     "eval": ("xmodlm.train.trainer", "xmodlm.sweep", "xmodlm.law", "xmodlm.cli"),
     "report": ("xmodlm.train.trainer", "xmodlm.cli"),

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xmodlm import flops
+from xmodlm import flops, record
 from xmodlm.config import ModelConfig, load_config
 from xmodlm.errors import UserError
 from xmodlm.hardware import (
@@ -115,12 +115,13 @@ def bench_configs(quick: bool = False) -> dict[str, ModelConfig]:
     over = shrink if quick else []
     dense = load_config("bench-dense", over).model
     xmod = load_config("bench-xmod", over).model
-    mod, _ = flops.flop_match(dense, stride=2, capacity=CAPACITY, gating="logit")
+    mod, _ = flops.flop_match(dense, **record.MOD_RECIPE)
     xmod8, _ = flops.flop_match(
         dense, stride=8, capacity=CAPACITY, gating=xmod.gating, balance_coef=xmod.balance_coef
     )
     moe = dataclasses.replace(
-        dense, mlp="moe", n_experts=8, moe_top_k=2, moe_d_ff=dense.ffn_dim // 2
+        dense, mlp="moe", **record.MOE_DEFAULTS,
+        moe_d_ff=record.moe_expert_dim(dense.ffn_dim, record.MOE_DEFAULTS["moe_top_k"]),
     )
     moe.validate()
     same = dataclasses.replace(dense, n_layers=xmod.n_layers)

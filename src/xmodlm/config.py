@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from xmodlm.errors import UserError
+from xmodlm.record import MOD_RECIPE
 
 GATINGS = ("logit", "sigmoid", "variance_scaled")
 CAUSAL_ROUTERS = ("bce", "predictor")
@@ -99,7 +100,7 @@ class ModelConfig:
             return "moe"
         if "s" not in lay:
             return "dense"
-        if self.gating == "logit" and self.stride == 2:
+        if self.gating == MOD_RECIPE["gating"] and self.stride == MOD_RECIPE["stride"]:
             return "mod"
         return "xmod"
 

@@ -12,9 +12,10 @@ error; they are dropped and counted.
 
 Derived columns added to the frame:
 
-* ``is_sparse``: stride > 1 and capacity < 1 (anything else is dense in effect);
+* ``is_sparse``: some block routes (:func:`xmodlm.record.is_sparse`: the recorded
+  layout has an ``s``; without one, stride > 1 and capacity < 1);
 * ``rho``: the sparse expansion ratio L / L_active with L_active = L/S + c L (S-1)/S,
-  which simplifies to S / (1 + c (S - 1)), so depth itself is not needed;
+  which simplifies to S / (1 + c (S - 1)) (:func:`xmodlm.record.expansion_ratio`);
 * ``tier``: the compute tier, log10(C) rounded to the nearest quarter decade, so a
   sweep's budgets (1e15, 3e15, 1e16 ...) group together despite small drift;
 * ``variant``: the family with its mechanism settings (``xmod``,
@@ -40,33 +41,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from xmodlm import record
 from xmodlm.errors import UserError
 
-RUN_COLUMNS = (
-    "family",
-    "width",
-    "n_layers",
-    "stride",
-    "capacity",
-    "context",
-    "gating",
-    "balance_coef",
-    "params_total",
-    "params_active",
-    "flops_per_token",
-    "tokens",
-    "compute",
-    "seed",
-    "val_loss",
-    "val_bpb",
-    "status",
-)
+RUN_COLUMNS = record.RUN_COLUMNS
 FINISHED = ("ok", "done")
 LOSSES = ("causal", "topk")
 DEFAULT_MIN_STEPS = 1000
 # X-MoD's own mechanism settings (the sweep's family defaults); any other value is an
 # ablation variant with a delta law of its own
-MECHANISM_DEFAULTS = {"gating": "variance_scaled", "balance_coef": 0.01}
+MECHANISM_DEFAULTS = record.XMOD_DEFAULTS
 UNRECORDED_CONTEXT = 0
 _POSITIVE = ("val_loss", "params_active", "tokens")
 
@@ -169,8 +153,12 @@ def validate(
     _require(frame, raw, "stride", (stride >= 1) & (stride % 1 == 0), "an integer >= 1")
     _require(frame, raw, "capacity", (capacity > 0) & (capacity <= 1), "in (0, 1]")
     frame["stride"] = frame["stride"].astype(int)
-    frame["is_sparse"] = (frame["stride"] > 1) & (frame["capacity"] < 1)
-    frame["rho"] = frame["stride"] / (1 + frame["capacity"] * (frame["stride"] - 1))
+    layouts = frame["layout"].fillna("").astype(str) if "layout" in frame else [""] * len(frame)
+    frame["is_sparse"] = [
+        record.is_sparse(s, c, lay)
+        for s, c, lay in zip(frame["stride"], frame["capacity"], layouts, strict=True)
+    ]
+    frame["rho"] = record.expansion_ratio(frame["stride"], frame["capacity"])
     if "context" in frame:
         frame["context"] = _numbers(frame, "context")
         context = frame["context"]

@@ -18,18 +18,12 @@ from typing import Any
 
 import pandas as pd
 
+from xmodlm import record
 from xmodlm.errors import UserError
 from xmodlm.train.checkpoint import atomic_write_text
 
-COLUMNS = [
-    "family", "width", "n_layers", "stride", "capacity", "context", "gating", "balance_coef",
-    "params_total", "params_active", "flops_per_token", "tokens", "compute", "seed",
-    "val_loss", "val_bpb", "status",
-]
-EXTRA = [
-    "run_id", "val_loss_causal", "routing_agreement", "wall_s",
-    "steps", "batch_tokens", "lr", "warmup_steps", "epochs", "layout", "commit", "error",
-]
+COLUMNS = list(record.RUN_COLUMNS)
+EXTRA = list(record.EXTRA_COLUMNS)
 ERROR_LINES = 3  # lines of a failed run's error tail kept in the ``error`` column
 
 
@@ -81,32 +75,16 @@ def _row(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, "corrupt summary.json"
     if not isinstance(s, dict):
         return None, "corrupt summary.json"
-    error = None
     loss = s.get("final_val_loss")
-    if s.get("status") == "diverged":
-        error = f"diverged: {s.get('skipped_steps')} non-finite step(s) by step {s.get('steps')}"
-    elif isinstance(loss, (int, float)) and not math.isfinite(loss):
-        s = {**s, "status": "diverged"}
-        error = f"diverged: validation loss {loss}"
+    diverged = s.get("status") == "diverged" or (
+        isinstance(loss, (int, float)) and not math.isfinite(loss)
+    )
     needed = ["tokens", "flops_per_token", "params_active", "status", "family"]
     numbers = [s.get(k) for k in ("tokens", "flops_per_token")]
-    if (any(s.get(k) is None for k in needed) or (error is None and loss is None)
+    if (any(s.get(k) is None for k in needed) or (not diverged and loss is None)
             or not all(isinstance(v, (int, float)) for v in numbers)):
         return None, "incomplete summary.json"
-    row = {
-        "family": s.get("family"), "width": s.get("width"), "n_layers": s.get("n_layers"),
-        "stride": s.get("stride"), "capacity": s.get("capacity"), "context": s.get("context"),
-        "gating": s.get("gating"), "balance_coef": s.get("balance_coef"),
-        "params_total": s.get("params_total"), "params_active": s.get("params_active"),
-        "flops_per_token": s["flops_per_token"], "tokens": s.get("tokens"),
-        "compute": s["flops_per_token"] * s["tokens"], "seed": s.get("seed"),
-        "val_loss": loss, "val_bpb": s.get("val_bpb"), "status": s.get("status"),
-        "run_id": run_dir.name, "val_loss_causal": s.get("final_val_loss_causal"),
-        "routing_agreement": s.get("routing_agreement"), "wall_s": s.get("wall_s"),
-        **{k: s.get(k) for k in ("steps", "batch_tokens", "lr", "warmup_steps", "epochs",
-                                 "layout", "commit")},
-        "error": error,
-    }
+    row = record.row_from_summary(s, run_dir.name)
     return row, None
 
 

@@ -37,15 +37,15 @@ from typing import Any
 
 import yaml
 
-from xmodlm import flops
+from xmodlm import flops, record
 from xmodlm.config import Config, load_config
 from xmodlm.errors import UserError
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "dense": {},
-    "mod": {"stride": 2, "capacity": 0.125, "gating": "logit", "balance_coef": 0.0},
-    "xmod": {"gating": "variance_scaled", "balance_coef": 1e-2},
-    "moe": {"n_experts": 8, "moe_top_k": 2},
+    "mod": record.MOD_RECIPE,
+    "xmod": record.XMOD_DEFAULTS,
+    "moe": record.MOE_DEFAULTS,
 }
 SPEC_KEYS = {
     "name", "base", "compute", "context", "dense", "families", "seeds", "set", "batch_tokens",
@@ -204,9 +204,9 @@ def _resolve_variant(dense_cfg: Config, variant: dict[str, Any]) -> Config:
     if family == "dense":
         new_model = model
     elif family == "moe":
-        top_k = changes.get("moe_top_k", 2)
+        top_k = changes.get("moe_top_k", record.MOE_DEFAULTS["moe_top_k"])
         new_model = dataclasses.replace(
-            model, mlp="moe", moe_d_ff=max(32, model.ffn_dim // top_k), **changes
+            model, mlp="moe", moe_d_ff=record.moe_expert_dim(model.ffn_dim, top_k), **changes
         )
     else:
         stride, capacity = changes.pop("stride", None), changes.pop("capacity", None)

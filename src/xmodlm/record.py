@@ -1,0 +1,74 @@
+"""The run record: one home for what a run reports and for the rules that read it.
+
+Every finished run writes ``summary.json``; ``xmod sweep`` turns summaries into
+``results.csv`` rows; the law and the report read those rows. The columns, the
+rule for "is this run sparse?", the expansion ratio and the family recipes are
+defined here once, so that the trainer, the sweep, the law and the report
+cannot drift apart. Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# What the law needs of every run (DESIGN 5), in this order.
+RUN_COLUMNS = (
+    "family", "width", "n_layers", "stride", "capacity", "context", "gating", "balance_coef",
+    "params_total", "params_active", "flops_per_token", "tokens", "compute", "seed",
+    "val_loss", "val_bpb", "status",
+)
+# What a reader needs to check a row: the causal loss, how long the run trained and
+# on what, which code it ran, and why it failed if it did.
+EXTRA_COLUMNS = (
+    "run_id", "val_loss_causal", "routing_agreement", "wall_s",
+    "steps", "batch_tokens", "lr", "warmup_steps", "epochs", "layout", "commit", "error",
+)
+COLUMNS = RUN_COLUMNS + EXTRA_COLUMNS
+
+# The original Mixture-of-Depths recipe (DESIGN 6): one routed block per pair,
+# 12.5% capacity, the raw router logit as the gate, no depth-wise balancing.
+MOD_RECIPE: dict[str, Any] = {
+    "stride": 2, "capacity": 0.125, "gating": "logit", "balance_coef": 0.0,
+}
+XMOD_DEFAULTS: dict[str, Any] = {"gating": "variance_scaled", "balance_coef": 1e-2}
+MOE_DEFAULTS: dict[str, Any] = {"n_experts": 8, "moe_top_k": 2}
+
+
+def moe_expert_dim(ffn_dim: int, top_k: int) -> int:
+    """Expert width that keeps an MoE block's active MLP FLOPs those of the dense MLP:
+    top_k experts of width ffn / top_k (at least 32)."""
+    return max(32, ffn_dim // top_k)
+
+
+def is_sparse(stride: int, capacity: float, layout: str | None = None) -> bool:
+    """A run is sparse when some block routes: its layout has an ``s``; without a
+    recorded layout, when stride > 1 and capacity < 1 (the derived layout's rule)."""
+    if layout:
+        return "s" in layout
+    return stride > 1 and capacity < 1
+
+
+def expansion_ratio(stride: float, capacity: float) -> float:
+    """rho = L / L_active for the derived layout: S / (1 + c (S - 1))."""
+    return stride / (1 + capacity * (stride - 1))
+
+
+def row_from_summary(summary: dict[str, Any], run_id: str) -> dict[str, Any]:
+    """A results-table row (``COLUMNS``) from a run's ``summary.json``."""
+    s = summary
+    loss = s.get("final_val_loss")
+    row = {k: s.get(k) for k in COLUMNS}
+    row.update({
+        "compute": s["flops_per_token"] * s["tokens"],
+        "val_loss": loss,
+        "run_id": run_id,
+        "val_loss_causal": s.get("final_val_loss_causal"),
+        "error": None,
+    })
+    if s.get("status") == "diverged":
+        row["error"] = f"diverged: {s.get('skipped_steps')} non-finite step(s) by step {s.get('steps')}"
+    elif isinstance(loss, (int, float)) and not math.isfinite(loss):
+        row["status"] = "diverged"
+        row["error"] = f"diverged: validation loss {loss}"
+    return row
