@@ -37,10 +37,10 @@ import torch
 
 from xmodlm import flops
 from xmodlm.config import Config
+from xmodlm.fileio import atomic_write_json
 from xmodlm.hardware import environment_record, matmul_peak_gflops, resolve_device, resolve_dtype
 from xmodlm.model import Transformer
 from xmodlm.sweep.spec import expand, load_spec
-from xmodlm.train.checkpoint import atomic_write_json
 from xmodlm.train.optim import build_optimizer
 
 H200_BF16_DENSE_PEAK = 989.4e12  # FLOP/s, NVIDIA's dense (no sparsity) bf16 figure

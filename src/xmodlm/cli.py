@@ -360,7 +360,7 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
                   n_boot=args.n_boot, seed=args.seed, loss=args.loss,
                   min_steps=args.min_steps, family=args.family)
     if args.out:
-        from xmodlm.train.checkpoint import atomic_write_json
+        from xmodlm.fileio import atomic_write_json
 
         atomic_write_json(Path(args.out), fit.to_json())
     if args.plots:

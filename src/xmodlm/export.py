@@ -95,7 +95,8 @@ def export_run(
     as an exported directory. Returns the config written (``config.json``)."""
     from safetensors.torch import save_file
 
-    from xmodlm.train.checkpoint import _untie, atomic_write_json, load_run, tokenizer_path
+    from xmodlm.fileio import atomic_write_json
+    from xmodlm.train.checkpoint import _untie, load_run, tokenizer_path
 
     run = Path(run_dir)
     if is_exported(run):

@@ -8,6 +8,7 @@ file that a later run would mistake for finished work.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +37,19 @@ def atomic_open(path: Path, mode: str = "wb", **kwargs: Any) -> Iterator[IO[Any]
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file, fsync and rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """:func:`atomic_write_text` of ``obj`` as indented JSON."""
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def fsync_dir(directory: Path) -> None:

@@ -37,8 +37,8 @@ import numpy as np
 import pandas as pd
 
 from xmodlm.errors import UserError
+from xmodlm.fileio import atomic_write_json, atomic_write_text
 from xmodlm.law.table import finished_runs, read_table
-from xmodlm.train.checkpoint import atomic_write_json, atomic_write_text
 
 if TYPE_CHECKING:
     from xmodlm.law.fit import LawFit

@@ -20,7 +20,7 @@ import pandas as pd
 
 from xmodlm import record
 from xmodlm.errors import UserError
-from xmodlm.train.checkpoint import atomic_write_text
+from xmodlm.fileio import atomic_write_text
 
 COLUMNS = list(record.RUN_COLUMNS)
 EXTRA = list(record.EXTRA_COLUMNS)

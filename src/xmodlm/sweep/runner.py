@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from xmodlm.errors import UserError
+from xmodlm.fileio import atomic_write_json, atomic_write_text
 from xmodlm.sweep.spec import RunSpec
-from xmodlm.train.checkpoint import atomic_write_json, atomic_write_text
 
 EXECUTORS = ("local", "ray", "slurm")
 ERROR_TAIL_LINES = 20

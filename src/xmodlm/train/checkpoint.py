@@ -17,7 +17,6 @@ from a temporary name, so a crash leaves either a whole checkpoint or none.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -30,21 +29,10 @@ from safetensors.torch import load_file, save_file
 
 from xmodlm.config import Config, load_config
 from xmodlm.errors import UserError
-from xmodlm.fileio import atomic_open, fsync_dir
+from xmodlm.fileio import atomic_write_json, fsync_dir
 from xmodlm.model import Transformer
 
 CKPT_DIR = "ckpt"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file, fsync and rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(path, "w") as f:
-        f.write(text)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _umask() -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 from xmodlm.config import Config
 from xmodlm.errors import UserError
-from xmodlm.train.checkpoint import atomic_write_text
+from xmodlm.fileio import atomic_write_text
 
 PLAIN_EVERY_S = 30.0
 WANDB_ID_FILE = "wandb_run_id"

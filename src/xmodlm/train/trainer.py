@@ -36,6 +36,7 @@ from xmodlm.config import Config, load_config
 from xmodlm.data.batches import get_batch, load_manifest, load_split, val_batches
 from xmodlm.errors import UserError
 from xmodlm.eval.loss import evaluate
+from xmodlm.fileio import atomic_write_json, atomic_write_text
 from xmodlm.hardware import (
     autocast_context,
     environment_record,
@@ -189,7 +190,7 @@ def _prepare_run_dir(
             )
     if is_main:
         run.mkdir(parents=True, exist_ok=True)
-        ckpt_io.atomic_write_text(path, cfg.to_yaml())
+        atomic_write_text(path, cfg.to_yaml())
 
 
 def _check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
@@ -346,7 +347,7 @@ def train(
             tok = Path(cfg.data.dir) / "tokenizer.json"
             if tok.is_file():
                 shutil.copyfile(tok, run / "tokenizer.json")
-            ckpt_io.atomic_write_json(run / "env.json", {**env, "allocator": allocator})
+            atomic_write_json(run / "env.json", {**env, "allocator": allocator})
 
         torch.manual_seed(t.seed)
         model = Transformer(cfg.model).to(device)
@@ -425,7 +426,7 @@ def train(
             dtype,
         )
         if ddp.is_main and status != "interrupted":
-            ckpt_io.atomic_write_json(run / "summary.json", summary)
+            atomic_write_json(run / "summary.json", summary)
         return summary
 
 
