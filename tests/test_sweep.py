@@ -112,7 +112,7 @@ def test_ray_executor(tiny_data_dir: Path, tmp_path: Path) -> None:
 def test_slurm_executor_via_submitit_local(tiny_data_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("submitit")
     runs = expand(load_spec(_spec(tmp_path, tiny_data_dir, [{"family": "dense"}])))
-    result = run_sweep(runs, tmp_path / "sweep", executor="slurm", slurm_local=True,
+    result = run_sweep(runs, tmp_path / "sweep", executor="slurm", local=True,
                        progress=False)
     assert result["ran"] == 1 and result["failed"] == 0, result["outcomes"]
 
@@ -125,3 +125,27 @@ def test_cli_dry_run(tiny_data_dir: Path, tmp_path: Path, capsys: pytest.Capture
                 "params_active", "flops_per_token", "tokens", "compute", "est_s"):
         assert col in out
     assert main(["sweep", str(tmp_path / "missing.yaml"), "--dry-run"]) == 2
+
+
+def test_executor_registry_and_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from xmodlm.cli import main
+    from xmodlm.sweep.runner import (
+        EXECUTORS,
+        SlurmExecutor,
+        make_executor,
+        parse_executor_options,
+    )
+
+    assert set(EXECUTORS) == {"local", "ray", "slurm"}
+    opts = parse_executor_options(["folder=logs", "params.partition=gpu", "params.gpus_per_node=1",
+                                   "local=true"])
+    ex = make_executor("slurm", **opts)
+    assert ex == SlurmExecutor(folder="logs", params={"partition": "gpu", "gpus_per_node": 1},
+                               local=True)
+    assert make_executor("local", workers=3).workers == 3
+    with pytest.raises(UserError, match="unknown option 'folder'; allowed: address"):
+        make_executor("ray", folder="x")
+    assert main(["sweep", "micro-quick", "--out", "/tmp/never", "--executor", "slurm",
+                 "--executor-opt", "partitionn=gpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown option 'partitionn'" in err and len(err.splitlines()) == 1

@@ -265,10 +265,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from xmodlm.sweep import expand, load_spec, run_sweep, write_results
-    from xmodlm.sweep.runner import check_options, check_spec
+    from xmodlm.sweep.runner import (
+        check_options,
+        check_spec,
+        make_executor,
+        parse_executor_options,
+    )
     from xmodlm.sweep.spec import estimate_seconds
 
     check_options(args.executor, args.workers, args.max_retries)
+    options = parse_executor_options(args.executor_opt)
+    if args.ray_address is not None:
+        options["address"] = args.ray_address
+    if args.slurm_local:
+        options["local"] = True
+    make_executor(args.executor, args.workers, **options)  # bad options: before any work
     if Path(args.spec).is_file():
         try:
             Path(args.spec).read_bytes().decode("utf-8")
@@ -291,8 +302,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return 0
     result = run_sweep(
         runs, args.out, executor=args.executor, workers=args.workers,
-        max_retries=args.max_retries, progress=not args.quiet, ray_address=args.ray_address,
-        slurm_local=args.slurm_local,
+        max_retries=args.max_retries, progress=not args.quiet, **options,
     )
     path, n_rows, left_out = write_results(args.out)
     print(f"{result['ran']} ran, {result['skipped']} already done, {result['failed']} failed,"
@@ -583,10 +593,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="run a sweep spec (resumable) and write results.csv")
     p.add_argument("spec", help="sweep spec YAML")
     p.add_argument("--out", default="runs/sweep", help="sweep directory")
-    p.add_argument("--executor", default="local", choices=["local", "ray", "slurm"])
+    from xmodlm.sweep.runner import EXECUTORS
+
+    p.add_argument("--executor", default="local", choices=list(EXECUTORS))
     p.add_argument("--workers", type=int, default=1, help="concurrent runs (local executor)")
     p.add_argument("--max-retries", type=int, default=2, help="retries of a failed run")
     p.add_argument("--data", default=None, help="data directory (overrides the spec)")
+    p.add_argument("--executor-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="an executor option (repeatable): ray address=...; slurm folder=...,"
+                   " params.partition=..., params.gpus_per_node=1, local=true")
     p.add_argument("--ray-address", default=None, help="Ray cluster address (default: local)")
     p.add_argument("--slurm-local", action="store_true",
                    help="run slurm jobs with submitit's local executor (testing)")

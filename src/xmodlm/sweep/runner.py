@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,6 @@ from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_json, atomic_write_text
 from xmodlm.sweep.spec import RunSpec
 
-EXECUTORS = ("local", "ray", "slurm")
 ERROR_TAIL_LINES = 20
 
 # value kinds of a spec's family keys, checked before expansion (see check_spec)
@@ -226,17 +225,17 @@ def run_sweep(
     workers: int | None = None,
     max_retries: int = 2,
     progress: bool = True,
-    ray_address: str | None = None,
-    slurm_folder: str | None = None,
-    slurm_params: dict[str, Any] | None = None,
-    slurm_local: bool = False,
+    **options: Any,
 ) -> dict[str, Any]:
     """Run every unfinished run of a sweep; return counts and each run's outcome.
 
-    Options and data directories are checked before any run starts. A diverged
-    run is finished (rerunning it would diverge again) but counted apart.
+    ``options``: the executor's own (:data:`EXECUTORS`: ``address`` for ray;
+    ``folder``, ``params``, ``local`` for slurm). Options and data directories are
+    checked before any run starts. A diverged run is finished (rerunning it would
+    diverge again) but counted apart.
     """
     check_options(executor, workers, max_retries)
+    engine = make_executor(executor, workers, **options)
     check_data(runs)
     out = Path(out_dir)
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -251,10 +250,8 @@ def run_sweep(
         elif attempts <= max_retries:
             todo.append(Job(r.run_id, str(out / "runs" / r.run_id), r.cfg.to_yaml(), threads))
     bar = Progress(len(runs), done, enabled=progress)
-    submit = _engine(executor, workers, threads, ray_address, slurm_folder, slurm_params,
-                     slurm_local)
     outcomes: list[dict[str, Any]] = []
-    for outcome in submit(todo, bar):
+    for outcome in engine.submit(todo, bar, threads):
         outcomes.append(outcome)
         run = out / "runs" / outcome["run_id"]
         if outcome["status"] == "failed":
@@ -275,20 +272,78 @@ def run_sweep(
 Submit = Callable[[list[Job], Progress], Iterable[dict[str, Any]]]
 
 
-def _engine(
-    executor: str,
-    workers: int,
-    threads: int,
-    ray_address: str | None,
-    slurm_folder: str | None,
-    slurm_params: dict[str, Any] | None,
-    slurm_local: bool,
-) -> Submit:
-    if executor == "local":
-        return lambda jobs, bar: _run_local(jobs, bar, workers)
-    if executor == "ray":
-        return lambda jobs, bar: _run_ray(jobs, bar, threads, ray_address)
-    return lambda jobs, bar: _run_slurm(jobs, bar, slurm_folder, slurm_params or {}, slurm_local)
+@dataclass(frozen=True)
+class LocalExecutor:
+    """Runs on this machine: a pool of ``workers`` `xmod train` subprocesses."""
+
+    workers: int = 1
+
+    def submit(self, jobs: list[Job], bar: Progress, threads: int) -> Iterable[dict[str, Any]]:
+        return _run_local(jobs, bar, self.workers)
+
+
+@dataclass(frozen=True)
+class RayExecutor:
+    """One Ray task per run (``address``: an existing cluster; default a local one)."""
+
+    address: str | None = None
+
+    def submit(self, jobs: list[Job], bar: Progress, threads: int) -> Iterable[dict[str, Any]]:
+        return _run_ray(jobs, bar, threads, self.address)
+
+
+@dataclass(frozen=True)
+class SlurmExecutor:
+    """One Slurm job per run through submitit. ``folder``: submitit's log folder
+    (default OUT/slurm_logs); ``params``: submitit parameters (partition, gpus_per_node,
+    timeout_min, ...); ``local``: submitit's local executor (for testing)."""
+
+    folder: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    local: bool = False
+
+    def submit(self, jobs: list[Job], bar: Progress, threads: int) -> Iterable[dict[str, Any]]:
+        return _run_slurm(jobs, bar, self.folder, self.params, self.local)
+
+
+EXECUTORS: dict[str, type] = {"local": LocalExecutor, "ray": RayExecutor, "slurm": SlurmExecutor}
+"""Executor name -> class: a new engine is one class with ``submit`` and its options."""
+
+
+def make_executor(name: str, workers: int | None = None, **options: Any) -> Any:
+    """The executor ``name`` with ``options`` (its dataclass fields); UserError on an
+    unknown name or option. ``workers`` is the local executor's option."""
+    if name not in EXECUTORS:
+        raise UserError(f"executor {name!r} unknown; allowed: {', '.join(EXECUTORS)}")
+    cls = EXECUTORS[name]
+    known = {f.name for f in fields(cls)}
+    if name == "local":
+        options = {"workers": max(1, workers or 1), **options}
+    if bad := sorted(set(options) - known):
+        raise UserError(
+            f"executor {name}: unknown option {bad[0]!r}; allowed: {', '.join(sorted(known)) or 'none'}"
+        )
+    return cls(**options)
+
+
+def parse_executor_options(items: list[str]) -> dict[str, Any]:
+    """``key=value`` strings (values read as YAML; ``params.k=v`` nests under params)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise UserError(f"--executor-opt {item!r}: expected key=value, e.g. folder=logs")
+        key, value = item.split("=", 1)
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise UserError(f"--executor-opt {item!r}: value is not valid YAML") from None
+        if key.startswith("params."):
+            out.setdefault("params", {})[key[len("params."):]] = parsed
+        else:
+            out[key] = parsed
+    return out
 
 
 def _run_local(jobs: list[Job], bar: Progress, workers: int) -> Iterable[dict[str, Any]]:
