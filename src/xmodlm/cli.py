@@ -207,7 +207,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     _check_out_dir(args.out)
     if args.vocab_size < 1:
         raise UserError(f"--vocab-size {args.vocab_size}: must be >= 1")
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(message)s", stream=sys.stderr)
     manifest = prepare(
         args.out,
         vocab_size=args.vocab_size,
@@ -573,6 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parquet", nargs="+", metavar="PATH", help="Parquet files with a 'text' column")
     p.add_argument("--hf-dataset", metavar="NAME", help="a Hugging Face dataset (needs a network)")
     p.add_argument("--seed", type=int, default=0, help="seed of the document split")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
     p.set_defaults(func=cmd_data_prepare)
 
     p = sub.add_parser("train", help="train a model; rerun on the same --out to resume")
@@ -644,6 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-items", type=int, default=200)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
@@ -664,6 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None, help="also write the JSON record here")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
     p.set_defaults(func=cmd_lm_eval)
 
     p = sub.add_parser("show-routing", help="picture of which tokens the sparse blocks took")
@@ -697,6 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the fit as JSON (a summary)")
     p.add_argument("--samples", action="store_true",
                    help="with --json: include the bootstrap samples")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
     p.set_defaults(func=cmd_law_fit)
     p = law_sub.add_parser("predict", help="predict losses for the rows of a table")
     p.add_argument("fit", help="fit JSON from `xmod law fit --out`")
@@ -720,6 +729,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("results", help="results table (CSV/Parquet) or a sweep directory")
     p.add_argument("--out", required=True, help="directory for report.md, report.json, comparisons.csv")
     p.add_argument("--law", default=None, help="fit JSON to summarise and plot with the runs")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_report)
 
@@ -792,6 +803,9 @@ def main(argv: list[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     handler: Handler = args.func
     name = f"xmod {args.command}"
+    from xmodlm.progress import set_enabled
+
+    progress_was = set_enabled(not getattr(args, "quiet", False))
     try:
         return handler(args)
     except UserError as err:
@@ -811,6 +825,8 @@ def main(argv: list[str] | None = None) -> int:
             f" {type(err).__name__}: {_one_line(err)[:300]}; {kept}\n"
         )
         return 1
+    finally:
+        set_enabled(progress_was)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from xmodlm.data.corpus import CLEANING_VERSION, Document, SourceSpec, load_sour
 from xmodlm.data.tokenizer import EOT, MIN_VOCAB_SIZE, TOKENIZER_FILE, Tokenizer, train_tokenizer
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_open, sha256_file
+from xmodlm.progress import Progress, track
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,9 @@ def _build(
     loaded = time.perf_counter()
     splits = split_documents(documents, request["seed"], request["val_frac"], request["test_frac"])
 
-    tokenizer = train_tokenizer((d.text for d in splits["train"]), request["vocab_size"])
+    with Progress(1, "data prepare: train the tokenizer", unit="tokenizer") as bar:
+        tokenizer = train_tokenizer((d.text for d in splits["train"]), request["vocab_size"])
+        bar.update(1)
     assert tokenizer.vocab_size <= MAX_VOCAB_SIZE, tokenizer.vocab_size
     with atomic_open(out / TOKENIZER_FILE, "w", encoding="utf-8") as handle:
         handle.write(tokenizer.to_str())
@@ -214,7 +217,7 @@ def _load_documents(
     """All documents, and a summary of each source for the manifest."""
     documents: list[Document] = []
     sources = []
-    for spec in specs:
+    for spec in track(specs, "data prepare: load sources", unit="source"):
         docs, sha256 = load_source(spec, cache_dir)
         documents += docs
         sources.append(
@@ -274,12 +277,14 @@ def _write_split(
     file = f"{name}.bin"
     digest = hashlib.sha256()
     tokens = 0
-    with atomic_open(out / file, "wb") as handle:
-        for block in _encoded_blocks(docs, tokenizer):
+    with atomic_open(out / file, "wb") as handle, \
+            Progress(len(docs), f"data prepare: encode {name}", unit="doc") as bar:
+        for n_docs, block in _encoded_blocks(docs, tokenizer):
             data = block.tobytes()
             handle.write(data)
             digest.update(data)
             tokens += len(block)
+            bar.update(n_docs)
     entry: dict[str, Any] = {
         "file": file,
         "documents": len(docs),
@@ -295,8 +300,11 @@ def _write_split(
     return entry
 
 
-def _encoded_blocks(docs: list[Document], tokenizer: Tokenizer) -> Iterator[np.ndarray]:
-    """Token ids of ``docs`` in order, each document preceded by ``<|endoftext|>``.
+def _encoded_blocks(
+    docs: list[Document], tokenizer: Tokenizer
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(documents, token ids) of ``docs`` in order, a batch at a time, each document
+    preceded by ``<|endoftext|>``.
 
     Encoded in batches: one ``encode_batch`` call per batch uses every core, and
     converting each batch at once keeps memory at a few batches of documents.
@@ -307,7 +315,7 @@ def _encoded_blocks(docs: list[Document], tokenizer: Tokenizer) -> Iterator[np.n
         arrays = []
         for doc_ids in tokenizer.encode_batch(batch):
             arrays += [eot, np.asarray(doc_ids, dtype=TOKEN_DTYPE)]
-        yield np.concatenate(arrays)
+        yield len(batch), np.concatenate(arrays)
 
 
 def _write_docs(path: Path, docs: list[Document]) -> str:

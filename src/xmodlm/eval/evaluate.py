@@ -71,7 +71,8 @@ def evaluate_run(
     # no more windows than the split holds without overlap (at least one)
     n_batches = max(1, min(max_batches, (len(data) - 1) // (context * bs)))
     batches = val_batches(data, n_batches, bs, context)
-    ev = evaluate(model, batches, torch.device(device), dtype, manifest, split)
+    ev = evaluate(model, batches, torch.device(device), dtype, manifest, split,
+                  desc=f"eval {split} loss")
     result: dict[str, Any] = {
         "run_dir": str(run_dir),
         "checkpoint": str(ckpt),

@@ -48,6 +48,7 @@ from xmodlm.eval import tasks as task_mod
 from xmodlm.eval.scoring import score_continuations
 from xmodlm.fileio import atomic_open
 from xmodlm.model.generate import generate
+from xmodlm.progress import Progress
 from xmodlm.train.checkpoint import load_run, tokenizer_path
 
 LOCAL_TASKS = ("xmod_cloze", "xmod_minimal_pairs", "xmod_cloze_gen", "xmod_heldout")
@@ -128,9 +129,11 @@ class XModLM(TemplateLM):
 
     # ------------------------------------------------------------------ scoring
 
-    def _score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:
+    def _score(
+        self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], desc: str | None = None
+    ) -> list[tuple[float, bool]]:
         return score_continuations(
-            self.model, pairs, self._device, self.batch_size, self.dtype
+            self.model, pairs, self._device, self.batch_size, self.dtype, desc=desc
         )
 
     def _loglikelihood_tokens(
@@ -139,7 +142,10 @@ class XModLM(TemplateLM):
         disable_tqdm: bool = False,
         **kwargs: Any,
     ) -> list[tuple[float, bool]]:
-        results = self._score([(ctx, cont) for _, ctx, cont in requests])
+        results = self._score(
+            [(ctx, cont) for _, ctx, cont in requests],
+            desc=None if disable_tqdm else "lm-eval loglikelihood",
+        )
         for (key, _, _), res in zip(requests, results, strict=True):
             self.cache_hook.add_partial("loglikelihood", key, res)
         return results
@@ -147,7 +153,8 @@ class XModLM(TemplateLM):
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         texts = [req.args[0] for req in requests]
         results = self._score(
-            [([self.tok.eot_id], self.tok.encode(text)) for text in texts]
+            [([self.tok.eot_id], self.tok.encode(text)) for text in texts],
+            desc=None if disable_tqdm else "lm-eval rolling loglikelihood",
         )
         out = [lp for lp, _ in results]
         for text, lp in zip(texts, out, strict=True):
@@ -161,6 +168,8 @@ class XModLM(TemplateLM):
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        bar = Progress(len(requests), "lm-eval generate", unit="request",
+                       enabled=False if disable_tqdm else None)
         for idx in groups.values():
             kwargs = dict(requests[idx[0]].args[1])
             for start in range(0, len(idx), self.batch_size):
@@ -169,6 +178,8 @@ class XModLM(TemplateLM):
                 for i, text in zip(batch, texts, strict=True):
                     out[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                bar.update(len(batch))
+        bar.close()
         return [t if t is not None else "" for t in out]
 
     def _generate(self, contexts: Sequence[str], kwargs: dict[str, Any]) -> list[str]:

@@ -13,6 +13,7 @@ import torch
 from xmodlm.data.batches import bits_per_byte
 from xmodlm.hardware import autocast_context
 from xmodlm.model import Transformer
+from xmodlm.progress import track
 
 
 @torch.no_grad()
@@ -23,13 +24,17 @@ def evaluate(
     dtype: str,
     manifest: dict[str, Any] | None = None,
     split: str = "val",
+    desc: str | None = None,
 ) -> dict[str, Any]:
-    """Validation loss under top-k and causal routing, bits per byte, routing stats."""
+    """Validation loss under top-k and causal routing, bits per byte, routing stats.
+
+    ``desc``: the stage name of a progress display on stderr, per batch (none without
+    it: the trainer's own bar covers evaluation inside training)."""
     was_training = model.training
     model.eval()
     sums = {"topk": 0.0, "causal": 0.0}
     stats_acc: dict[str, list[Any]] = {}
-    for x, y in batches:
+    for x, y in (track(batches, desc, unit="batch") if desc else batches):
         x, y = x.to(device), y.to(device)
         with autocast_context(device, dtype):
             out_t = model(x, y, routing_mode="topk", return_stats=True)

@@ -28,6 +28,7 @@ import torch
 
 from xmodlm.errors import UserError
 from xmodlm.model import Transformer
+from xmodlm.progress import track
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,12 +52,14 @@ def score_continuations(
     device: str | torch.device = "cpu",
     batch_size: int = 16,
     dtype: str = "fp32",
+    desc: str | None = None,
 ) -> list[tuple[float, bool]]:
     """``(log p(cont | ctx) in nats, cont is the greedy continuation)`` per request.
 
     ``ctx`` must hold at least one token (use the end-of-text id to score a text
     from a document start); ``cont`` may be empty (log-likelihood 0, greedy).
-    ``dtype``: ``fp32`` (default, exact) or ``bf16``/``fp16`` autocast.
+    ``dtype``: ``fp32`` (default, exact) or ``bf16``/``fp16`` autocast. ``desc``: the
+    stage name of a progress display on stderr, per batch (none without it).
     """
     if batch_size < 1:
         raise UserError(f"batch_size must be at least 1, got {batch_size}")
@@ -84,7 +87,8 @@ def score_continuations(
         if _DTYPES[dtype] is not None
         else nullcontext()
     )
-    for start in range(0, len(order), batch_size):
+    starts = range(0, len(order), batch_size)
+    for start in (track(starts, desc, unit="batch") if desc else starts):
         chunk = [jobs[j] for j in order[start: start + batch_size]]
         width = len(chunk[0][1])  # longest first
         x_BT = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -120,9 +124,10 @@ def rolling_logprob(
     device: str | torch.device = "cpu",
     batch_size: int = 16,
     dtype: str = "fp32",
+    desc: str | None = None,
 ) -> list[float]:
     """Total log-likelihood (nats) of each tokenised document after ``bos_id``, any length."""
     scored = score_continuations(
-        model, [([bos_id], doc) for doc in token_docs], device, batch_size, dtype
+        model, [([bos_id], doc) for doc in token_docs], device, batch_size, dtype, desc
     )
     return [lp for lp, _ in scored]

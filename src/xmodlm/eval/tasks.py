@@ -241,13 +241,16 @@ def sequence_logprobs(
     texts: Sequence[str],
     device: str | torch.device = "cpu",
     batch_size: int = 16,
+    desc: str | None = None,
 ) -> list[float]:
     """Total log-likelihood (nats) of each text after ``<|endoftext|>``, causal routing.
 
     Any length: texts longer than the context are scored in windows
     (:func:`xmodlm.eval.scoring.score_continuations`).
     """
-    return rolling_logprob(model, tok.encode_batch(list(texts)), tok.eot_id, device, batch_size)
+    return rolling_logprob(
+        model, tok.encode_batch(list(texts)), tok.eot_id, device, batch_size, desc=desc
+    )
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -271,7 +274,7 @@ def score_task(
     check_tasks([task])
     if task == "cloze":
         texts = [c for it in items for c in it["candidates"]]
-        scores = sequence_logprobs(model, tok, texts, device)
+        scores = sequence_logprobs(model, tok, texts, device, desc=f"eval task {task}")
         correct, pos, chance = 0, 0, 0.0
         for it in items:
             n = len(it["candidates"])
@@ -282,7 +285,7 @@ def score_task(
         return {"accuracy": correct / len(items), "ci95": wilson_interval(correct, len(items)),
                 "items": len(items), "chance": chance / len(items)}
     texts = [t for it in items for t in (it["good"], it["bad"])]
-    scores = sequence_logprobs(model, tok, texts, device)
+    scores = sequence_logprobs(model, tok, texts, device, desc=f"eval task {task}")
     correct = sum(int(scores[2 * i] > scores[2 * i + 1]) for i in range(len(items)))
     by_kind: dict[str, list[int]] = {}
     for i, it in enumerate(items):

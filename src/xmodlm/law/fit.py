@@ -50,13 +50,23 @@ from xmodlm.law.delta import (
     fit_delta,
     get_form,
 )
-from xmodlm.law.holdout import DENSE_ONLY, HeldOut, check_protocol, default_protocol, evaluate
+from xmodlm.law.holdout import (
+    DENSE_ONLY,
+    HeldOut,
+    check_protocol,
+    default_protocol,
+    evaluate,
+    folds,
+)
 from xmodlm.law.robust import HUBER_DELTA, interval, resample_weights
 from xmodlm.law.table import DEFAULT_MIN_STEPS, UNRECORDED_CONTEXT, validate
+from xmodlm.progress import Progress
 
 SCHEMA = "xmodlm.law/1"
 MIN_BOOT = 100  # below this the 2.5/97.5 percentiles rest on two or three draws
 DEFAULT_FAMILY = "xmod"
+BOOT_STEPS = 20  # bootstrap progress is reported in up to this many blocks of replicates
+BOOT_BLOCK_MIN = 50  # replicates per block at least (each block starts its worker processes)
 
 
 def _param_table(
@@ -324,9 +334,13 @@ def fit_law(
             " (stride, capacity) cell and one compute tier; pass a form name instead of auto"
         )
     forms = [FORMS[name] for name in deltas]
-    results, failed = (
-        evaluate(frame, protocol, forms, dense_fits, REFERENCE, rng) if protocol else ({}, {})
-    )
+    results, failed = {}, {}
+    if protocol:
+        n_folds = len(folds(frame, protocol))
+        with Progress(1, f"law fit: held-out {protocol}, {n_folds} folds x"
+                      f" {max(1, len(forms))} laws", unit="protocol") as bar:
+            results, failed = evaluate(frame, protocol, forms, dense_fits, REFERENCE, rng)
+            bar.update(1)
     selected, selection = _select(form, deltas, results, failed, protocol)
     ln_point = _in_fit(frame, dense_laws, deltas.get(selected) if selected else None)
     ln_obs = np.log(frame["val_loss"].to_numpy(float))
@@ -498,9 +512,16 @@ def _fit_dense_laws(
     for t in sorted(set(context[~sparse])):
         rows = (context == t) & ~sparse
         where = "dense runs" if t == UNRECORDED_CONTEXT else f"dense runs at context {t}"
-        fit = dense.fit_dense(ln_n[rows], ln_d[rows], ln_l[rows], rng, where)
+        with Progress(1, f"law fit: {where}", unit="fit") as bar:
+            fit = dense.fit_dense(ln_n[rows], ln_d[rows], ln_l[rows], rng, where)
+            bar.update(1)
         weights = resample_weights(int(rows.sum()), n_boot, rng, clusters=configs[rows])
-        samples, converged = dense.bootstrap_dense(fit, ln_n[rows], ln_d[rows], ln_l[rows], weights)
+        samples, converged = _in_blocks(
+            lambda idx, fit=fit, rows=rows, weights=weights: dense.bootstrap_dense(
+                fit, ln_n[rows], ln_d[rows], ln_l[rows], weights[idx]
+            ),
+            n_boot, f"law fit: bootstrap of the {where}",
+        )
         fits[int(t)] = fit
         ok &= converged
         diagnostics = {**fit.report(), "bootstrap_converged": float(converged.mean())}
@@ -534,13 +555,18 @@ def _fit_deltas(
     ok = np.ones(n_boot, dtype=bool)
     for form in candidates:
         try:
-            fit = fit_delta(form, x, y, rng)
+            with Progress(1, f"law fit: delta form {form.name}", unit="fit") as bar:
+                fit = fit_delta(form, x, y, rng)
+                bar.update(1)
         except UserError as err:
             if explicit:
                 raise
             skipped[form.name] = str(err)
             continue
-        samples, converged = bootstrap_delta(fit, x, y_boot, weights)
+        samples, converged = _in_blocks(
+            lambda idx, fit=fit: bootstrap_delta(fit, x, y_boot[idx], weights[idx]),
+            n_boot, f"law fit: bootstrap of delta form {form.name}",
+        )
         ok &= converged
         diagnostics = {**fit.report(), "bootstrap_converged": float(converged.mean())}
         deltas[form.name] = DeltaLaw(
@@ -550,6 +576,25 @@ def _fit_deltas(
         name, why = next(iter(skipped.items()))
         raise UserError(f"no delta form can be fitted to these X-MoD runs ({name}: {why})")
     return deltas, skipped, ok
+
+
+def _in_blocks(
+    refit: Any, n_boot: int, desc: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """``refit(replicate indices) -> (samples, converged)`` over all ``n_boot``
+    replicates, in up to :data:`BOOT_STEPS` blocks so progress (and an ETA) shows
+    between them. Each replicate is refitted from the same starts whatever its block, so the
+    result equals one call over all of them."""
+    n_blocks = max(1, min(BOOT_STEPS, n_boot // BOOT_BLOCK_MIN))
+    blocks = np.array_split(np.arange(n_boot), n_blocks)
+    samples, converged = [], []
+    with Progress(n_boot, desc, unit="replicate") as bar:
+        for idx in blocks:
+            s, c = refit(idx)
+            samples.append(s)
+            converged.append(c)
+            bar.update(len(idx))
+    return np.vstack(samples), np.concatenate(converged)
 
 
 def one_se_choice(results: dict[str, HeldOut], n_params: dict[str, int]) -> tuple[str, str]:

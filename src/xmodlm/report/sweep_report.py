@@ -39,6 +39,7 @@ import pandas as pd
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_json, atomic_write_text
 from xmodlm.law.table import finished_runs, read_table
+from xmodlm.progress import Progress
 
 if TYPE_CHECKING:
     from xmodlm.law.fit import LawFit
@@ -266,9 +267,11 @@ def sweep_report(
     results: str | Path, out_dir: str | Path, law: str | Path | None = None
 ) -> dict[str, Any]:
     """Write ``report.md``, ``comparisons.csv`` and ``report.json`` for ``results``; return the JSON."""
+    bar = Progress(3 + (law is not None), "report", unit="stage")
     raw = read_table(results)
     df, left_out = _load(raw, results)
     comparisons, unmatched = match_to_dense(df)
+    bar.update(1, done="runs read and matched to dense")
     report: dict[str, Any] = {
         "results": str(results),
         "runs": {
@@ -314,6 +317,7 @@ def sweep_report(
                 "min": float(gap.min()),
                 "max": float(gap.max()),
             }
+    bar.update(1, done="comparisons summarised")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if law is not None:
@@ -324,9 +328,12 @@ def sweep_report(
         report["law"] = _law_section(fit, law)
         plots = plot_law(fit, raw, out / "plots")
         report["law"]["plots"] = [str(p.relative_to(out)) for p in plots]
+        bar.update(1, done="law summarised and plotted")
     atomic_write_text(out / "comparisons.csv", comparisons.to_csv(index=False))
     atomic_write_json(out / "report.json", report)
     atomic_write_text(out / "report.md", render_markdown(report, comparisons))
+    bar.update(1, done="report written")
+    bar.close()
     return report
 
 

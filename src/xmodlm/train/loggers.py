@@ -1,8 +1,9 @@
 """Where training records go: metrics.jsonl, progress, optional trackers.
 
-Progress is a tqdm bar when stderr is a terminal, else one plain line every
-:data:`PLAIN_EVERY_S` seconds (and at the last step), so logs of batch jobs stay
-readable. TensorBoard and Weights & Biases are imported only when switched on, so
+Progress is :class:`xmodlm.progress.Progress` (the helper every command uses): a
+tqdm bar when stderr is a terminal, else one plain line every
+:data:`~xmodlm.progress.PLAIN_EVERY_S` seconds (and at the last step), so logs of
+batch jobs stay readable. TensorBoard and Weights & Biases are imported only when switched on, so
 neither is a dependency; a missing package is one clear error before any work
 (:func:`check_trackers`). Only rank 0 logs (``enabled``).
 """
@@ -13,15 +14,14 @@ import contextlib
 import importlib.util
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from xmodlm.config import Config
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_text
+from xmodlm.progress import Progress
 
-PLAIN_EVERY_S = 30.0
 WANDB_ID_FILE = "wandb_run_id"
 
 
@@ -55,9 +55,9 @@ class MetricLogger:
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.write(message, file=sys.stderr)
+            self.bar.note(message)
         else:
-            print(message, file=sys.stderr)
+            print(message, file=sys.stderr, flush=True)
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop records past the checkpoint so no step is logged twice."""
@@ -78,14 +78,8 @@ class MetricLogger:
             return
         self._file = open(self.path, "a")  # noqa: SIM115 (closed in close())
         self.total_steps = total_steps
-        self._last_plain = time.monotonic()
-        if self.show_progress and _isatty(sys.stderr):
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=total_steps, initial=initial, unit="step", dynamic_ncols=True,
-                file=sys.stderr, mininterval=1.0,
-            )
+        if self.show_progress:
+            self.bar = Progress(total_steps, "train", unit="step", initial=initial, enabled=True)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -102,29 +96,12 @@ class MetricLogger:
             )
 
     def advance(self, record: dict[str, Any]) -> None:
+        """One optimiser step done: the bar, or a plain line now and then when piped."""
         if self.bar is None:
-            if self.show_progress:
-                self._plain(record)
             return
-        self.bar.update(1)
-        self.bar.set_postfix(
-            loss=f"{record['loss']:.4f}",
-            tok_s=f"{record['tokens_per_s']:.0f}",
+        self.bar.update(
+            1, loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
             mfu=f"{record['mfu']:.2f}",
-            refresh=False,
-        )
-
-    def _plain(self, record: dict[str, Any]) -> None:
-        """Not a terminal: a plain line every PLAIN_EVERY_S seconds and at the last step."""
-        now = time.monotonic()
-        last = record["step"] >= getattr(self, "total_steps", 0)
-        if now - self._last_plain < PLAIN_EVERY_S and not last:
-            return
-        self._last_plain = now
-        print(
-            f"step {record['step']}/{self.total_steps}: loss {record['loss']:.4f},"
-            f" {record['tokens_per_s']:.0f} tok/s, mfu {record['mfu']:.2f}",
-            file=sys.stderr, flush=True,
         )
 
     def close(self) -> None:
@@ -192,13 +169,6 @@ class _WandB:
 
     def close(self) -> None:
         self.run.finish()
-
-
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):  # replaced or closed streams
-        return False
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
