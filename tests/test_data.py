@@ -236,7 +236,9 @@ def test_prepare_reads_jsonl_and_parquet(tmp_path: Path) -> None:
 
 def test_prepare_rejects_bad_vocab_size(tmp_path: Path, text_files: list[Path]) -> None:
     with pytest.raises(UserError, match="vocab size"):
-        prepare(tmp_path, vocab_size=70000, texts=text_files)
+        prepare(tmp_path, vocab_size=2**33, texts=text_files)  # above uint32 ids
+    with pytest.raises(UserError, match="vocab size"):
+        prepare(tmp_path, vocab_size=100, texts=text_files)
 
 
 # --------------------------------------------------------------------------- batches

@@ -207,6 +207,14 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     _check_out_dir(args.out)
     if args.vocab_size < 1:
         raise UserError(f"--vocab-size {args.vocab_size}: must be >= 1")
+    hf_flags = [flag for flag, on in (("--hf-split", args.hf_split != "train"),
+                                      ("--hf-column", args.hf_column != "text"),
+                                      ("--hf-streaming", args.hf_streaming),
+                                      ("--hf-limit", args.hf_limit is not None)) if on]
+    if hf_flags and not args.hf_dataset:
+        raise UserError(f"{hf_flags[0]} applies to --hf-dataset NAME, which was not given")
+    if args.hf_limit is not None and args.hf_limit < 1:
+        raise UserError(f"--hf-limit {args.hf_limit}: must be at least 1 document")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     manifest = prepare(
@@ -217,6 +225,11 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         parquet=args.parquet,
         hf_dataset=args.hf_dataset,
         seed=args.seed,
+        tokenizer=args.tokenizer,
+        hf_split=args.hf_split,
+        hf_column=args.hf_column,
+        hf_streaming=args.hf_streaming,
+        hf_limit=args.hf_limit,
     )
     splits = manifest["splits"]
     print(
@@ -572,7 +585,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", nargs="+", metavar="PATH", help="plain-text files or directories")
     p.add_argument("--jsonl", nargs="+", metavar="PATH", help="JSONL files with a 'text' field")
     p.add_argument("--parquet", nargs="+", metavar="PATH", help="Parquet files with a 'text' column")
-    p.add_argument("--hf-dataset", metavar="NAME", help="a Hugging Face dataset (needs a network)")
+    p.add_argument("--hf-dataset", metavar="NAME",
+                   help="a Hugging Face dataset NAME[:CONFIG] (needs a network)")
+    p.add_argument("--hf-split", default="train", help="split of --hf-dataset to read")
+    p.add_argument("--hf-column", default="text", help="text column of --hf-dataset")
+    p.add_argument("--hf-streaming", action="store_true",
+                   help="stream --hf-dataset rows instead of downloading it whole first")
+    p.add_argument("--hf-limit", type=int, default=None, metavar="N",
+                   help="at most N documents from --hf-dataset")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="your own Hugging Face tokenizer.json, used as it is (no BPE training;"
+                   " --vocab-size is ignored)")
     p.add_argument("--seed", type=int, default=0, help="seed of the document split")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (else a bar on a terminal, plain lines when piped)")

@@ -18,18 +18,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from xmodlm.data.prepare import FORMAT_VERSION, MANIFEST_FILE, SPLITS, TOKEN_DTYPE
+from xmodlm.data.prepare import FORMAT_VERSION, MANIFEST_FILE, SPLITS, TOKEN_DTYPE, TOKEN_DTYPES
 from xmodlm.errors import UserError
+from xmodlm.fileio import sha256_file
 
 
 class TokenData:
     """One split's token ids, memory-mapped read-only (the OS pages them in as needed)."""
 
-    def __init__(self, path: str | Path, split: str | None = None) -> None:
+    def __init__(
+        self, path: str | Path, split: str | None = None, dtype: str | None = None
+    ) -> None:
+        """``dtype``: the manifest's (uint16, or uint32 for a vocabulary over 65,536)."""
         self.path = Path(path)
         self.split = split or self.path.stem
         try:
-            self.tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+            self.tokens = np.memmap(self.path, dtype=dtype or TOKEN_DTYPE, mode="r")
         except (OSError, ValueError) as exc:
             raise UserError(
                 f"token file {self.path} is unreadable or empty ({exc}): run `xmod data prepare` again"
@@ -128,6 +132,11 @@ def load_manifest(data_dir: str | Path) -> dict[str, Any]:
         raise UserError(f"{path} is not a format-{FORMAT_VERSION} manifest: {hint}")
     if not isinstance(manifest.get("vocab_size"), int) or not isinstance(manifest.get("splits"), dict):
         raise UserError(f"{path} lacks vocab_size or splits: {hint}")
+    if manifest.get("dtype", "uint16") not in TOKEN_DTYPES:
+        raise UserError(
+            f"{path} has token dtype {manifest.get('dtype')!r}, not one of"
+            f" {', '.join(TOKEN_DTYPES)}: {hint}"
+        )
     return manifest
 
 
@@ -141,7 +150,7 @@ def load_split(data_dir: str | Path, split: str) -> TokenData:
     """
     manifest = load_manifest(data_dir)
     entry = _split_entry(manifest, split)
-    data = TokenData(Path(data_dir) / entry["file"], split)
+    data = TokenData(Path(data_dir) / entry["file"], split, manifest.get("dtype", "uint16"))
     if len(data) != entry["tokens"]:
         raise UserError(
             f"{data.path} holds {len(data)} tokens but {MANIFEST_FILE} says {entry['tokens']}: "
@@ -156,6 +165,22 @@ def load_split(data_dir: str | Path, split: str) -> TokenData:
                 f" {MANIFEST_FILE}: the file is corrupt, run `xmod data prepare --out {data_dir}`"
             )
     return data
+
+
+def check_tokenizer(tokenizer_file: str | Path, manifest: dict[str, Any], data_dir: str | Path) -> None:
+    """The data directory was tokenized with ``tokenizer_file`` (a run's copy of its
+    tokenizer): the same ids mean the same tokens. Else one clear error, saying how to
+    prepare the data with that tokenizer."""
+    expected = (manifest.get("tokenizer") or {}).get("sha256")
+    if not expected or not Path(tokenizer_file).is_file():
+        return
+    if sha256_file(tokenizer_file) != expected:
+        raise UserError(
+            f"data directory {data_dir} was tokenized with another tokenizer than"
+            f" {tokenizer_file} (a different vocabulary: the token ids would mean other"
+            " tokens): use the data the run was trained on, or prepare this text with the"
+            f" run's tokenizer: xmod data prepare --tokenizer {tokenizer_file} ..."
+        )
 
 
 def bytes_per_token(manifest: dict[str, Any], split: str) -> float:

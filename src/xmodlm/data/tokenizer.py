@@ -63,6 +63,24 @@ class Tokenizer:
             ) from exc
 
 
+def load_user_tokenizer(path: str | Path) -> Tokenizer:
+    """A user's own ``tokenizer.json`` (any Hugging Face ``tokenizers`` model) instead of
+    training one. Without ``<|endoftext|>`` it is added as a special token, with the next
+    free id, since the token files separate documents with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--tokenizer {path} not found: pass a Hugging Face tokenizer.json file")
+    try:
+        hf = HFTokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust side raises a bare Exception on a bad file
+        raise UserError(
+            f"--tokenizer {path} is not a Hugging Face tokenizer.json ({exc})"
+        ) from exc
+    if hf.token_to_id(EOT) is None:
+        hf.add_special_tokens([EOT])
+    return Tokenizer(hf)
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE with ``vocab_size`` entries (``<|endoftext|>`` is id 0).
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from xmodlm.data.batches import load_manifest, load_split, val_batches
+from xmodlm.data.batches import check_tokenizer, load_manifest, load_split, val_batches
 from xmodlm.data.tokenizer import Tokenizer
 from xmodlm.errors import UserError
 from xmodlm.eval import tasks as task_mod
@@ -60,6 +60,7 @@ def evaluate_run(
             f"data directory {data_dir} has vocabulary {manifest['vocab_size']}, more than the"
             f" model's {cfg.model.vocab_size}: evaluate on the data the run was trained on"
         )
+    check_tokenizer(Path(run_dir) / "tokenizer.json", manifest, data_dir)
     data = load_split(data_dir, split)
     context = cfg.model.context
     if len(data) < context + 1:
