@@ -543,6 +543,19 @@ def cmd_show_routing(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from xmodlm.report.curves import plot_runs
+
+    out = _check_out_file(args.out)
+    if out.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise UserError(f"--out {str(out)!r}: give a .png, .pdf or .svg file name")
+    if args.label and len(args.label) != len(args.runs):
+        raise UserError(f"{len(args.label)} --label for {len(args.runs)} runs: give one per run")
+    path = plot_runs(args.runs, out, labels=args.label or None, title=args.title)
+    print(f"wrote {path}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from xmodlm.bench import run_bench
 
@@ -704,6 +717,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also plot coverage, depth histogram and overlap from metrics.jsonl")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_show_routing)
+
+    p = sub.add_parser("plot", help="loss curves (train, validation under both routings) of runs")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    p.add_argument("--out", required=True, help="image file (.png, .pdf or .svg)")
+    p.add_argument("--label", action="append", default=[],
+                   help="legend name of a run, in the order of the runs (repeat; default: folder names)")
+    p.add_argument("--title", default=None, help="figure title")
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("law", help="fit and apply the X-MoD scaling law")
     law_sub = p.add_subparsers(dest="law_command", required=True, parser_class=_Parser)

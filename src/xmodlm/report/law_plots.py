@@ -21,6 +21,7 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from xmodlm.law import dense
 from xmodlm.law.delta import Features
@@ -83,10 +84,12 @@ def _isoflop(fit: LawFit, frame: pd.DataFrame) -> Figure:
                 label=f"C ~ 1e{tier:g}",
             )
         ax.set_xscale("log")
+        _plain_log_ticks(ax, _count)
         ax.set_xlabel("active parameters N_ae")
         ax.set_ylabel("validation loss (nats)")
         ax.set_title("dense runs" if t == 0 else f"dense runs, context {t}")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=9, title="compute tier", title_fontsize=9)
+    fig.tight_layout()
     return fig
 
 
@@ -97,7 +100,7 @@ def _delta(fit: LawFit, frame: pd.DataFrame) -> Figure:
     runs = frame[frame["is_sparse"]]
     pred = predict_samples(fit, runs)
     observed = np.log(runs["val_loss"].to_numpy()) - pred.ln_dense
-    fig = Figure(figsize=(6, 4.5))
+    fig = Figure(figsize=(8.5, 5))
     ax = fig.add_subplot()
     strides = sorted(runs["stride"].unique())
     contexts = sorted(runs["context"].unique())
@@ -133,10 +136,13 @@ def _delta(fit: LawFit, frame: pd.DataFrame) -> Figure:
             )
     ax.axhline(0, color="0.5", lw=0.5)
     ax.set_xscale("log")
+    _plain_log_ticks(ax, lambda v: f"{v:g}", minor=True)
     ax.set_xlabel("expansion ratio rho = L / L_active")
     ax.set_ylabel("ln(L_x / L_dense law)")
-    ax.set_title(f"delta law: {law.form}")
-    ax.legend(fontsize=6, ncol=2)
+    ax.set_title(f"delta law: {law.form} (lines: the law at median N_ae)")
+    ax.legend(fontsize=9, title="stride S, context T", title_fontsize=9,
+              loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    fig.tight_layout()
     return fig
 
 
@@ -193,6 +199,28 @@ def _bootstrap(fit: LawFit) -> Figure:
         ax.tick_params(labelsize=7)
     fig.tight_layout()
     return fig
+
+
+def _count(value: float) -> str:
+    """A parameter count as it is spoken: 300k, 2M, 1.5B."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:g}{suffix}"
+    return f"{value:g}"
+
+
+def _plain_log_ticks(ax: object, fmt: object, minor: bool = False) -> None:
+    """Plain numbers on a log x axis ("2", "10M"), never "2x10^0": every decade
+    labelled, and with ``minor`` (an axis spanning about a decade) also 2..9 of it."""
+    formatter = FuncFormatter(lambda v, _pos: fmt(v))  # type: ignore[operator]
+    xaxis = ax.xaxis  # type: ignore[attr-defined]
+    xaxis.set_major_locator(LogLocator(base=10))
+    xaxis.set_major_formatter(formatter)
+    if minor:
+        xaxis.set_minor_locator(LogLocator(base=10, subs=(1.5, 2, 3, 4, 5, 6, 8)))
+        xaxis.set_minor_formatter(formatter)
+    else:
+        xaxis.set_minor_formatter(NullFormatter())
 
 
 def _colors(n: int) -> list[tuple[float, float, float, float]]:

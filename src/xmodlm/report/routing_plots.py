@@ -88,6 +88,36 @@ def _display(token: str) -> str:
     return token.replace("\n", "\u23ce").replace("\t", " ")
 
 
+def _tick_label(token: str) -> str:
+    """A token as an axis label: its spaces visible (a leading space is what tells
+    " the" from "the", and a label's spaces would otherwise vanish)."""
+    return _display(token).replace(" ", "\u2423")
+
+
+KEY_LABEL_IN = 0.16
+"""Inches per label of the colour key at least (8-point labels then never overlap)."""
+
+
+def colour_key(n_sparse: int, text_h: float, room: float) -> tuple[float, list[int]]:
+    """Height (inches) of the depth colour key and the depths it labels: tall enough for
+    a label per ``KEY_LABEL_IN`` inches within ``room``, labelling every k-th depth
+    (and the top one) when that is too little for all of them."""
+    bar_h = min(max(text_h, 1.2, KEY_LABEL_IN * (n_sparse + 1)), room)
+    slots = max(2, int(bar_h / KEY_LABEL_IN))
+    every = _tick_step(n_sparse + 1, slots - 1) if n_sparse + 1 > slots else 1
+    depths = [d for d in range(0, n_sparse + 1, every)]
+    if depths[-1] != n_sparse:
+        if n_sparse - depths[-1] < every:  # too close to the top label: drop it
+            depths.pop()
+        depths.append(n_sparse)
+    return bar_h, depths[::-1]
+
+
+def _tick_step(n: int, most: int) -> int:
+    """Label every k-th of ``n`` ticks so that at most ``most`` labels show."""
+    return max(1, -(-n // most))
+
+
 def _save(fig: Figure, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +153,7 @@ def show_routing(
     # DejaVu Sans Mono advances 0.602 em, so CHAR_IN inches per char sets the size
     text_w, text_h = LINE_CHARS * CHAR_IN, 0.3 * n_rows
     heat_h = 0.3 * n_sparse + 0.2
-    left, right, top, gap, bottom = 0.9, 0.9, 0.45, 0.6, 0.9
+    left, right, top, gap, bottom = 1.1, 1.1, 0.45, 0.6, 1.2
     W, H = left + text_w + right, top + text_h + gap + heat_h + bottom
     fig = Figure(figsize=(W, H))
     ax = fig.add_axes((left / W, (H - top - text_h) / H, text_w / W, text_h / H))
@@ -138,23 +168,30 @@ def show_routing(
     title = f"sparse blocks processing each token (causal routing), layout {info['layout']}"
     ax.set_title(title + (" [truncated to context]" if info["truncated"] else ""), fontsize=10,
                  loc="left")
-    bar_h = max(text_h, 0.6)  # may reach down into the gap, never above the text
+    # the colour key: tall enough for its labels (at most one per 0.16 inch; it may
+    # reach down beside the heatmap, never above the text), labelled on its axis
+    bar_h, depths = colour_key(n_sparse, text_h, text_h + gap + heat_h)
     cax = fig.add_axes(((left + text_w + 0.15) / W, (H - top - bar_h) / H, 0.12 / W, bar_h / H))
     shades = [_shade(cmap, norm, d) for d in range(n_sparse + 1)]
     cax.imshow(np.array(shades)[::-1, None, :3], aspect="auto")
     cax.set_xticks([])
-    cax.set_yticks(range(n_sparse + 1), [str(d) for d in range(n_sparse, -1, -1)], fontsize=8)
+    cax.set_yticks([n_sparse - d for d in depths], [str(d) for d in depths], fontsize=8)
     cax.yaxis.tick_right()
-    cax.set_title("depth", fontsize=8)
+    cax.yaxis.set_label_position("right")
+    cax.set_ylabel("sparse depth (blocks)", fontsize=8)
 
     hx = fig.add_axes((left / W, bottom / H, text_w / W, heat_h / H))
     hx.imshow(sel, aspect="auto", cmap="Greys", vmin=0, vmax=1.3, interpolation="nearest")
-    hx.set_yticks(range(n_sparse), [f"sparse {i}" for i in range(n_sparse)], fontsize=8)
+    layers = [i for i, kind in enumerate(info["layout"]) if kind == "s"]
+    hx.set_yticks(range(n_sparse), [f"block {i}" for i in layers[:n_sparse]], fontsize=8)
+    hx.set_ylabel("sparse block (layer)", fontsize=9)
     T = len(tokens)
-    step = max(1, T // 60)
-    hx.set_xticks(range(0, T, step), [_display(tokens[i]) for i in range(0, T, step)],
+    step = _tick_step(T, 60)
+    hx.set_xticks(range(0, T, step), [_tick_label(tokens[i]) for i in range(0, T, step)],
                   rotation=90, fontsize=7, family="DejaVu Sans Mono")
-    hx.set_title("processed (dark) per sparse block", fontsize=9)
+    hx.set_xlabel("token (\u2423 = space)" + (f", every {step}th labelled" if step > 1 else ""),
+                  fontsize=9)
+    hx.set_title("processed (dark) by each sparse block", fontsize=9)
     info["png"] = str(_save(fig, out_png))
     if out_html is not None:
         info["html"] = str(_write_html(info, out_html, cmap, norm))

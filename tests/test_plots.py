@@ -1,0 +1,93 @@
+"""Pictures: loss curves of runs (``xmod plot``), the routing picture's labels and colour
+key, and the law plots' legend and log-axis labels."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+from xmodlm.cli import main
+from xmodlm.law.fit import fit_law
+from xmodlm.law.synthetic import synthetic_runs
+from xmodlm.law.table import validate
+from xmodlm.report import law_plots
+from xmodlm.report.curves import loss_figure, run_curves
+from xmodlm.report.routing_plots import KEY_LABEL_IN, _tick_label, colour_key
+
+
+def _fake_run(path: Path, sparse: bool) -> Path:
+    path.mkdir(parents=True)
+    records = []
+    for step in range(1, 13):
+        records.append({"step": step, "loss": 8.0 - 0.1 * step, "tokens": 512 * step})
+        if step % 4 == 0:
+            topk = 8.0 - 0.1 * step
+            records.append({"step": step, "kind": "eval", "val_loss_topk": topk,
+                            "val_loss_causal": topk + (0.05 if sparse else 0.0)})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_plot_draws_train_and_both_validation_losses(tmp_path: Path) -> None:
+    xmod = _fake_run(tmp_path / "xmod", sparse=True)
+    dense = _fake_run(tmp_path / "dense", sparse=False)
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(xmod), str(dense), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = loss_figure([run_curves(xmod), run_curves(dense)], ["xmod", "dense"])
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "optimiser step" and "loss" in ax.get_ylabel()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["xmod: train", "xmod: validation (top-k routing)",
+                      "xmod: validation (causal routing)", "dense: train", "dense: validation"]
+    causal = ax.get_lines()[2]
+    assert list(causal.get_xdata()) == [4, 8, 12]
+    assert list(causal.get_ydata()) == pytest.approx([7.65, 7.25, 6.85])
+
+
+def test_plot_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plot", str(tmp_path / "none"), "--out", str(tmp_path / "x.png")]) == 2
+    assert "not found" in capsys.readouterr().err
+    run = _fake_run(tmp_path / "r", sparse=False)
+    assert main(["plot", str(run), "--out", str(tmp_path / "x.txt")]) == 2
+    assert ".png" in capsys.readouterr().err
+
+
+def test_routing_labels_keep_spaces_and_key_labels_do_not_overlap() -> None:
+    assert _tick_label(" the") == "\u2423the" and _tick_label("\n") == "\u23ce"
+    for n_sparse in (1, 3, 9, 15, 31, 63):
+        bar_h, depths = colour_key(n_sparse, text_h=0.6, room=3.0)
+        assert depths[0] == n_sparse and depths[-1] == 0  # the ends are always labelled
+        per_depth = bar_h / (n_sparse + 1)
+        gaps = [(a - b) * per_depth for a, b in zip(depths, depths[1:], strict=False)]
+        assert min(gaps) >= KEY_LABEL_IN - 1e-9, (n_sparse, depths)
+
+
+@pytest.fixture(scope="module")
+def law_fit() -> tuple:
+    runs = synthetic_runs(60, sigma=0.01, seed=1)
+    return fit_law(runs, form="base", n_boot=100, seed=0), validate(runs).frame
+
+
+def _tick_texts(fig: object, ax: object) -> list[str]:
+    FigureCanvasAgg(fig).draw()  # type: ignore[arg-type]
+    return [t.get_text() for t in ax.get_xticklabels(minor=False) + ax.get_xticklabels(minor=True)
+            if t.get_text()]
+
+
+def test_law_plots_have_plain_log_ticks_and_a_readable_legend(law_fit: tuple) -> None:
+    fit, frame = law_fit
+    delta = law_plots._delta(fit, frame)
+    ax = delta.axes[0]
+    ticks = _tick_texts(delta, ax)
+    assert "1" in ticks and "2" in ticks, ticks
+    assert not any(re.search(r"\\times|\^|\$", t) for t in ticks), ticks  # never 2x10^0
+    legend = ax.get_legend()
+    assert min(t.get_fontsize() for t in legend.get_texts()) >= 8
+    iso = law_plots._isoflop(fit, frame)
+    ticks = _tick_texts(iso, iso.axes[0])
+    assert any(t.endswith("M") for t in ticks) and not any("$" in t for t in ticks), ticks
