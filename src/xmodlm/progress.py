@@ -80,6 +80,7 @@ class Progress:
         self.postfix: dict[str, Any] = {}
         self.bar: Any = None
         self._closed = False
+        self._printed_final = False
         if self.enabled and isatty(self.stream):
             from tqdm import tqdm
 
@@ -99,6 +100,8 @@ class Progress:
             return
         now = time.monotonic()
         last = self.total is not None and self.done >= self.total
+        if last and self._printed_final:  # past the total: the last line is out already
+            return
         if last or now - self._last >= self.every_s:
             self._last = now
             self._line(final=last)
@@ -139,7 +142,7 @@ class Progress:
             return
         if self.bar is not None:
             self.bar.close()
-        elif not failed and not getattr(self, "_printed_final", False):
+        elif not failed and not self._printed_final:
             self._line(final=True)
 
     def __enter__(self) -> Progress:

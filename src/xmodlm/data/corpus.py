@@ -63,6 +63,7 @@ from pathlib import Path, PurePosixPath
 
 from xmodlm.errors import UserError
 from xmodlm.fileio import sha256_file
+from xmodlm.progress import Progress
 
 CLEANING_VERSION = 1
 """Bump when parsing or cleaning changes: it is part of ``prepare``'s request, so old data rebuilds."""
@@ -586,9 +587,12 @@ def load_hf_dataset(
             f" {', '.join(map(str, columns))}): pass the text column with --hf-column"
         )
     documents = []
+    total = len(dataset) if hasattr(dataset, "__len__") else None  # a stream: unknown
+    bar = Progress(total, f"data prepare: read {name} ({split})", unit="row")
     for i, row in enumerate(dataset):
         if limit is not None and len(documents) >= limit:
             break
+        bar.update(1)
         if column not in row:  # a streamed dataset names its columns only in its rows
             raise UserError(
                 f"Hugging Face dataset {name!r} has no column {column!r} (columns:"
@@ -597,6 +601,7 @@ def load_hf_dataset(
         raw = row[column]
         if isinstance(raw, str) and (text := normalise_whitespace(raw)):
             documents.append(Document(f"hf:{name}:{split}:{i}", text))
+    bar.close()
     return documents
 
 
