@@ -210,6 +210,14 @@ CASES: list[tuple[str, list[str], int]] = [
     ("data prepare --vocab-size 0", ["data", "prepare", "--out", "{new}", "--vocab-size", "0"], 2),
     ("data prepare --vocab-size abc", ["data", "prepare", "--vocab-size", "abc"], 2),
     ("data prepare missing text", ["data", "prepare", "--out", "{new}", "--text", "{root}/none"], 2),
+    ("data prepare --hf-split without --hf-dataset",
+     ["data", "prepare", "--out", "{new}", "--hf-split", "test"], 2),
+    ("data prepare --hf-limit 0",
+     ["data", "prepare", "--out", "{new}", "--hf-dataset", "x", "--hf-limit", "0"], 2),
+    ("data prepare --tokenizer missing",
+     ["data", "prepare", "--out", "{new}", "--text", "{file}", "--tokenizer", "{root}/none.json"], 2),
+    ("data prepare --tokenizer not a tokenizer",
+     ["data", "prepare", "--out", "{new}", "--text", "{file}", "--tokenizer", "{file}"], 2),
     ("data no subcommand", ["data"], 2),
     # sweep
     ("sweep missing spec", [*S, "{root}/missing.yaml", "--dry-run"], 2),
@@ -268,6 +276,12 @@ CASES: list[tuple[str, list[str], int]] = [
     ("show-routing missing run", ["show-routing", "{root}/nowhere", "--text", "x", "--out", "{new}.png"], 2),
     ("show-routing plots under a file", [*SR, "--out", "{new}.png", "--training-plots", "{file}/p"], 2),
     ("show-routing no --text", ["show-routing", "{run}", "--out", "{new}.png"], 2),
+    ("plot missing run", ["plot", "{root}/nowhere", "--out", "{new}.png"], 2),
+    ("plot run without metrics", ["plot", "{root}", "--out", "{new}.png"], 2),
+    ("plot --out not an image", ["plot", "{run}", "--out", "{new}.txt"], 2),
+    ("plot --out a directory", ["plot", "{run}", "--out", "{root}"], 2),
+    ("plot --label count", ["plot", "{run}", "--label", "a", "--label", "b", "--out", "{new}.png"], 2),
+    ("plot no run", ["plot", "--out", "{new}.png"], 2),
     # lm-eval
     ("lm-eval --limit 0", ["lm-eval", "{run}", "--tasks", "xmod_cloze", "--limit", "0"], 2),
     ("lm-eval --limit nan", ["lm-eval", "{run}", "--tasks", "xmod_cloze", "--limit", "nan"], 2),
@@ -312,7 +326,7 @@ def test_the_table_is_large() -> None:
                 if (c.values[1] if hasattr(c, "values") else c[1])}
     assert commands >= {"info", "presets", "data", "train", "sweep", "results", "generate",
                         "eval", "lm-eval", "show-routing", "law", "recommend", "report",
-                        "bench", "demo"}
+                        "bench", "demo", "plot"}
 
 
 @pytest.mark.parametrize(("name", "argv", "code"), CASES,
