@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -149,3 +150,27 @@ def test_executor_registry_and_options(capsys: pytest.CaptureFixture[str]) -> No
                  "--executor-opt", "partitionn=gpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert "unknown option 'partitionn'" in err and len(err.splitlines()) == 1
+
+
+def test_runs_of_an_older_release_are_recognised(tiny_data_dir: Path, tmp_path: Path) -> None:
+    """A finished run recorded before a config field existed keeps its directory: the
+    sweep does not train it again under a new id. A run that differs in a real
+    setting, or whose recorded config lacks a field now set away from its default,
+    is not adopted."""
+    from xmodlm.sweep.runner import adopt_earlier_runs
+
+    runs = expand(load_spec(_spec(tmp_path, tiny_data_dir, FOUR)))
+    runs_dir = tmp_path / "sweep" / "runs"
+    old = runs[0].cfg.to_dict()
+    del old["train"]["wandb_tags"]  # a field the older release did not have
+    (runs_dir / "0ld0ld0ld0ld").mkdir(parents=True)
+    (runs_dir / "0ld0ld0ld0ld" / "config.yaml").write_text(yaml.safe_dump(old))
+    other = runs[1].cfg.to_dict()
+    other["train"]["lr"] = 0.123  # a different run
+    (runs_dir / "0th3r0th3r00").mkdir()
+    (runs_dir / "0th3r0th3r00" / "config.yaml").write_text(yaml.safe_dump(other))
+    adopted = adopt_earlier_runs(runs, runs_dir)
+    assert adopted[0].run_id == "0ld0ld0ld0ld" and adopted[0].cfg == runs[0].cfg
+    assert [r.run_id for r in adopted[1:]] == [r.run_id for r in runs[1:]]
+    tagged = [dataclasses.replace(runs[0], cfg=runs[0].cfg.merge(["train.wandb_tags=a"]))]
+    assert adopt_earlier_runs(tagged, runs_dir)[0].run_id == runs[0].run_id

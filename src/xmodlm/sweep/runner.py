@@ -190,6 +190,61 @@ def run_state(run_dir: Path) -> tuple[str, int]:
     return ("failed" if attempts else "pending"), attempts
 
 
+def adopt_earlier_runs(runs: list[RunSpec], runs_dir: Path) -> list[RunSpec]:
+    """The runs, each under the id of an earlier run directory that is the same run.
+
+    A run id hashes the resolved configuration, so a release that adds a config
+    field (with its default) gives every run a new id, and a sweep resumed with
+    it, on a results folder committed by an older release, would train every
+    finished run again. A run directory whose ``config.yaml`` agrees with a run's
+    configuration on every field it records, while the fields it lacks are at
+    their defaults in the new one, is that run: it keeps its directory.
+    """
+    import dataclasses
+
+    import yaml
+
+    from xmodlm.config import Config
+
+    if not runs_dir.is_dir():
+        return runs
+    ids = {r.run_id for r in runs}
+    earlier = {}
+    for d in sorted(runs_dir.iterdir()):
+        if d.name in ids or not (d / "config.yaml").is_file():
+            continue
+        try:
+            earlier[d.name] = yaml.safe_load((d / "config.yaml").read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+    if not earlier:
+        return runs
+    defaults = Config().to_dict()
+    out = []
+    for r in runs:
+        new = r.cfg.to_dict()
+        match = next((rid for rid, old in earlier.items() if _same_run(old, new, defaults)), None)
+        if match is not None and not (runs_dir / r.run_id).exists():
+            del earlier[match]
+            r = dataclasses.replace(r, run_id=match)
+        out.append(r)
+    return out
+
+
+def _same_run(old: Any, new: Any, defaults: Any) -> bool:
+    """``old`` (an earlier config) equals ``new`` wherever ``old`` has a value, and
+    every key only ``new`` has is at its default."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key, value in new.items():
+            if key in old:
+                if not _same_run(old[key], value, (defaults or {}).get(key)):
+                    return False
+            elif not isinstance(defaults, dict) or defaults.get(key) != value:
+                return False
+        return set(old) <= set(new)
+    return old == new
+
+
 class Progress:
     """A one-line live display: done / running / failed and an ETA."""
 
@@ -243,6 +298,7 @@ def run_sweep(
     workers = max(1, workers or 1)
     threads = max(1, cores // workers)
     todo, done = [], 0
+    runs = adopt_earlier_runs(runs, out / "runs")
     for r in runs:
         state, attempts = run_state(out / "runs" / r.run_id)
         if state == "done":
