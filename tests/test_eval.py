@@ -87,6 +87,20 @@ def test_evaluate_errors(tiny_run: Path, tmp_path: Path) -> None:
         evaluate_run(tiny_run, split="dev", tasks=())
 
 
+def test_data_of_another_tokenizer_is_refused(
+    tiny_run: Path, tiny_data_dir: Path, tmp_path: Path
+) -> None:
+    """Same texts, another tokenizer (a smaller vocabulary, so the size check passes):
+    the token ids would mean other tokens, so evaluation refuses and names the fix."""
+    from xmodlm.data.prepare import prepare
+
+    texts = sorted((tiny_data_dir.parent / "src").glob("*.txt"))
+    other = prepare(tmp_path / "other", vocab_size=280, texts=texts)
+    assert other["vocab_size"] <= 300
+    with pytest.raises(UserError, match="another tokenizer.*data prepare --tokenizer"):
+        evaluate_run(tiny_run, data_dir=tmp_path / "other", tasks=())
+
+
 def test_evaluate_bad_data_and_mismatched_checkpoint(
     tiny_run: Path, tiny_data_dir: Path, tmp_path: Path
 ) -> None:
