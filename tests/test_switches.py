@@ -171,7 +171,8 @@ def test_train_device_echo_progress_and_changed_resume(
     lines = err.splitlines()
     assert "starting -> 2 steps (max_steps)" in lines[0] and "layout DsDs" in lines[0]
     assert "cpu" in lines[0]
-    assert "\r" not in err and any(line.startswith("step 2/2: loss") for line in lines)
+    assert "\r" not in err  # not a terminal: plain lines, no carriage-return updates
+    assert any(line.startswith("train: 2/2 step") and "loss" in line for line in lines)
     assert "ok after 2 steps" in out
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
     # a changed budget is refused (one line), --force continues with it
