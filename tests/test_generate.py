@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_model_cfg
+from xmodlm.bench.decode import calibrate_routers_, decode_benchmark
 from xmodlm.config import Config
 from xmodlm.errors import UserError
 from xmodlm.export import generate_from_run
@@ -13,8 +14,6 @@ from xmodlm.model import Transformer, active_depth
 from xmodlm.model.blocks import RoutedBlock
 from xmodlm.model.generate import (
     Decoder,
-    calibrate_routers_,
-    decode_benchmark,
     decode_logits,
     generate,
     sample_next,

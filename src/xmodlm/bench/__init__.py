@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from xmodlm import flops, record
+from xmodlm.bench.decode import decode
 from xmodlm.config import ModelConfig, load_config
 from xmodlm.errors import UserError
 from xmodlm.hardware import (
@@ -449,40 +450,6 @@ def law_fit(quick: bool) -> dict[str, Any]:
     n_runs, n_boot = (200, 100) if quick else (200, 1000)
     seconds = float(fn(n_runs=n_runs, n_boot=n_boot))
     return {"seconds": seconds, "n_runs": n_runs, "n_boot": n_boot, "source": fn.__module__}
-
-
-def decode(
-    dense: Transformer, xmod: Transformer, quick: bool
-) -> dict[str, Any]:
-    """Decode speed and KV-cache bytes, dense vs X-MoD with the same total parameters."""
-    try:
-        from xmodlm.model.generate import calibrate_routers_, decode_benchmark
-    except ImportError as err:
-        return {"unavailable": f"xmodlm.model.generate is not available ({err})"}
-    prompt, new = (32, 32) if quick else (128, 128)
-    was = dense.training, xmod.training
-    dense.eval()
-    xmod.eval()
-    # an untrained router routes about half the tokens causally; a trained one ~c
-    reached = calibrate_routers_(xmod)
-    out: dict[str, Any] = {"prompt_len": prompt, "new_tokens": new, "batch": 1}
-    for name, model in (("dense", dense), ("xmod", xmod)):
-        res = decode_benchmark(model, batch=1, prompt_len=prompt, new_tokens=new, repeats=3)
-        out[name] = {
-            "tokens_per_s": res["tokens_per_s"],
-            "prefill_tokens_per_s": res["prefill_tokens_per_s"],
-            "kv_bytes_allocated": res["kv_bytes_allocated"],
-            "kv_bytes_used": res["kv_bytes_used"],
-            "routed_fraction": res["routed_fraction"],
-        }
-    out["xmod_calibrated_routed_fraction"] = sum(reached) / max(1, len(reached))
-    out["xmod_vs_dense_tokens_per_s"] = out["xmod"]["tokens_per_s"] / out["dense"]["tokens_per_s"]
-    out["xmod_vs_dense_kv_bytes_used"] = (
-        out["xmod"]["kv_bytes_used"] / max(1, out["dense"]["kv_bytes_used"])
-    )
-    dense.train(was[0])
-    xmod.train(was[1])
-    return out
 
 
 def _get(result: dict[str, Any], path: str) -> float | None:

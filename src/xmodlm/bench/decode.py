@@ -1,0 +1,192 @@
+"""Decode speed of the model family, and the router calibration it needs.
+
+Decoding is timed on untrained models, whose routers route about half the
+tokens causally instead of the capacity ``c`` a trained router reaches.
+:func:`calibrate_routers_` fixes that by rewriting router weights in place,
+which is why it lives with the benchmark and not in :mod:`xmodlm.model`: no
+model code path should be able to change a trained model's weights this way.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from xmodlm.errors import UserError
+from xmodlm.model import routing
+from xmodlm.model.blocks import RoutedBlock
+from xmodlm.model.generate import Decoder, sample_next
+from xmodlm.model.transformer import Transformer
+
+
+@torch.inference_mode()
+def calibrate_routers_(
+    model: Transformer,
+    fraction: float | None = None,
+    *,
+    batch: int = 4,
+    seq_len: int | None = None,
+    seed: int = 0,
+) -> list[float]:
+    """Make an *untrained* model route about ``fraction`` of tokens causally.
+
+    An untrained router's logit r = x . w is symmetric about zero, so the causal
+    decision sigmoid(r) > 1/2 routes about half the tokens whatever the weights'
+    scale, while a trained router routes about c. To time decoding at a trained
+    model's routed fraction without training, this modifies the model in place:
+
+    * BCE routers (no bias): a shared random vector, as long as a typical
+      embedding, is added to every token embedding (trained residual streams
+      have such a common direction), and each sparse block's router, in depth
+      order, becomes ``w = s (u - beta m)``: ``m`` the mean direction of the
+      block's inputs on random tokens, ``u`` a random unit vector orthogonal to
+      it, ``beta`` the ``1 - fraction`` quantile of ``(x.u) / (x.m)`` so that
+      r > 0 for about ``fraction`` of tokens, ``s`` scaling r to unit spread;
+    * predictors: the output bias is set to minus that quantile of the logit.
+
+    Returns the routed fraction each sparse block reaches on the calibration
+    tokens (fraction defaults to the config's capacity).
+    """
+    cfg = model.cfg
+    fraction = cfg.capacity if fraction is None else fraction
+    assert 0.0 < fraction < 1.0
+    gen = torch.Generator().manual_seed(seed)
+    device = model.embed.weight.device
+    T = seq_len or cfg.context
+    idx = torch.randint(0, cfg.vocab_size, (batch, T), generator=gen).to(device)
+    routed = [b for b in model.blocks if isinstance(b, RoutedBlock)]
+    if any(b.predictor is None for b in routed):
+        emb = model.embed.weight
+        shared = torch.randn(cfg.d_model, generator=gen).to(emb)
+        emb += shared / shared.norm() * emb.norm(dim=-1).mean()
+    pos_T = torch.arange(T, device=device)
+    x = model.embed(idx)
+    reached = []
+    for block in model.blocks:
+        if isinstance(block, RoutedBlock):
+            x_ND = x.reshape(-1, cfg.d_model).float()
+            if block.predictor is None:
+                m = x_ND.mean(0)
+                m = m / m.norm()
+                u = torch.randn(cfg.d_model, generator=gen).to(m)
+                u = u - (u @ m) * m
+                u = u / u.norm()
+                p_u, p_m = x_ND @ u, x_ND @ m
+                assert (p_m > 0).all(), "calibration needs the shared embedding direction"
+                beta = torch.quantile(p_u / p_m, 1.0 - fraction)
+                r = p_u - beta * p_m
+                w = (u - beta * m) / r.std()
+                block.router.weight.copy_(w.unsqueeze(0).to(block.router.weight))
+            else:
+                last = block.predictor[-1]
+                logit = block.predictor(x_ND).squeeze(-1)
+                last.bias -= torch.quantile(logit, 1.0 - fraction)
+            d = block.decision_logits(x, block.router_logits(x))
+            reached.append(float(routing.causal_decision(d).float().mean()))
+        x, _ = block(x, model.rope, pos_T, "causal")
+    return reached
+
+
+@torch.inference_mode()
+def decode_benchmark(
+    model: Transformer,
+    batch: int = 1,
+    prompt_len: int = 128,
+    new_tokens: int = 128,
+    *,
+    repeats: int = 3,
+    temperature: float = 1.0,
+    seed: int = 0,
+    sparse_alloc: str = "expected",
+) -> dict[str, Any]:
+    """Decode speed and KV memory of ``model`` on random prompts.
+
+    Prefills ``batch`` random prompts of ``prompt_len`` tokens, then times
+    ``new_tokens`` decode steps (each feeds one token per sequence and samples
+    the next; sampling at ``temperature`` 1 keeps the token stream, and so the
+    routing, like random text; greedy decoding of an untrained model repeats
+    one token). One untimed warm-up run, then the median of ``repeats``.
+
+    Returns ``tokens_per_s`` (decoded tokens per second, summed over the batch),
+    ``prefill_tokens_per_s``, ``kv_bytes_allocated`` and ``kv_bytes_used`` at the
+    end of decoding, ``routed_fraction`` (mean over sparse blocks of cached /
+    fed tokens; None for a model without sparse blocks) and per block, and the
+    number of cache growths.
+    """
+    cfg = model.cfg
+    if prompt_len < 1 or new_tokens < 1 or batch < 1:
+        raise UserError("decode benchmark: batch, prompt_len and new_tokens must be >= 1")
+    max_len = prompt_len + new_tokens
+    if max_len > cfg.context:
+        raise UserError(
+            f"decode benchmark: prompt_len {prompt_len} + new_tokens {new_tokens} exceed the"
+            f" model's context {cfg.context}"
+        )
+    device = model.embed.weight.device
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
+
+    def run(steps: int) -> tuple[float, float, Decoder]:
+        sgen = torch.Generator(device=device).manual_seed(seed)
+        dec = Decoder(model, batch, max_len, sparse_alloc=sparse_alloc)
+        t0 = time.perf_counter()
+        logits = dec.prefill(prompts)
+        t1 = time.perf_counter()
+        for _ in range(steps):
+            logits = dec.step(sample_next(logits, temperature, generator=sgen))
+        logits.sum().item()  # finish queued device work
+        return t1 - t0, time.perf_counter() - t1, dec
+
+    run(min(new_tokens, 8))
+    times = [run(new_tokens) for _ in range(max(1, repeats))]
+    prefill_s = statistics.median(t[0] for t in times)
+    decode_s = statistics.median(t[1] for t in times)
+    cache = times[-1][2].cache
+    fed = batch * max_len
+    sparse = [n / fed for n, b in zip(cache.routed_tokens(), cache.blocks, strict=True) if b.sparse]
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "tokens_per_s": batch * new_tokens / decode_s,
+        "decode_s": decode_s,
+        "prefill_tokens_per_s": batch * prompt_len / prefill_s,
+        "kv_bytes_allocated": cache.bytes_allocated(),
+        "kv_bytes_used": cache.bytes_used(),
+        "kv_bytes_positions": cache.bytes_positions(),
+        "kv_grows": cache.n_grows(),
+        "routed_fraction": sum(sparse) / len(sparse) if sparse else None,
+        "routed_fraction_per_block": sparse,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def decode(dense: Transformer, xmod: Transformer, quick: bool) -> dict[str, Any]:
+    """Decode speed and KV-cache bytes, dense vs X-MoD with the same total parameters."""
+    prompt, new = (32, 32) if quick else (128, 128)
+    was = dense.training, xmod.training
+    dense.eval()
+    xmod.eval()
+    # an untrained router routes about half the tokens causally; a trained one ~c
+    reached = calibrate_routers_(xmod)
+    out: dict[str, Any] = {"prompt_len": prompt, "new_tokens": new, "batch": 1}
+    for name, model in (("dense", dense), ("xmod", xmod)):
+        res = decode_benchmark(model, batch=1, prompt_len=prompt, new_tokens=new, repeats=3)
+        out[name] = {
+            "tokens_per_s": res["tokens_per_s"],
+            "prefill_tokens_per_s": res["prefill_tokens_per_s"],
+            "kv_bytes_allocated": res["kv_bytes_allocated"],
+            "kv_bytes_used": res["kv_bytes_used"],
+            "routed_fraction": res["routed_fraction"],
+        }
+    out["xmod_calibrated_routed_fraction"] = sum(reached) / max(1, len(reached))
+    out["xmod_vs_dense_tokens_per_s"] = out["xmod"]["tokens_per_s"] / out["dense"]["tokens_per_s"]
+    out["xmod_vs_dense_kv_bytes_used"] = (
+        out["xmod"]["kv_bytes_used"] / max(1, out["dense"]["kv_bytes_used"])
+    )
+    dense.train(was[0])
+    xmod.train(was[1])
+    return out
