@@ -181,8 +181,7 @@ class RoutedBlock(nn.Module):
             topk_BT = routing.selection_mask(idx_BK, T)
             cos_T, sin_T = rope(pos_T) if rot is None else rot
             f_BKD, _ = self.block.branch(x_BKD, cos_T[idx_BK], sin_T[idx_BK])
-            g_BK = self.gate(torch.gather(r_BT, 1, idx_BK))
-            x_BTD = routing.scatter_add_tokens(x_BTD, idx_BK, g_BK.unsqueeze(-1) * f_BKD)
+            x_BTD = routing.gated_scatter(x_BTD, f_BKD, r_BT, idx_BK, self.gating, self.gamma)
             processed = topk_BT
         elif mode == "causal":
             r_BT = self.router_logits(x_BTD)

@@ -133,6 +133,78 @@ def route(
     return _RouteFn.apply(x_BTD, w_1D, k, valid_BT)
 
 
+def _gate_and_slope(
+    r: torch.Tensor, kind: str, gamma: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gate g(r) (:func:`gate`), its slope dg/dr and, variance-scaled only, dg/dgamma."""
+    g = gate(r, kind, gamma)
+    if kind == "logit":
+        return g, torch.ones_like(r), None
+    s = g if kind == "sigmoid" else torch.sigmoid(r)
+    slope = s * (1.0 - s)
+    if kind == "sigmoid":
+        return g, slope, None
+    return g, gamma * slope, s
+
+
+class _GatedScatterFn(torch.autograd.Function):
+    """x + g(r[idx]) * f at the selected positions, in one autograd node.
+
+    The tail of every sparse block in training: gather the router logits of the
+    selected tokens, gate them, scale the branch output and scatter-add it into
+    the residual stream. Written as separate ops that is about a dozen autograd
+    nodes per block (gather, sigmoid, two products, unsqueeze, expand, scatter
+    and their backwards); at the small widths sparse models are trained at on a
+    CPU each costs a fixed dispatch (and, threaded, a barrier), so it is one node
+    here. Forward bit for bit the separate ops; the backward reduces in another
+    order (round-off only).
+    """
+
+    @staticmethod
+    def forward(ctx, x_BTD, f_BKD, r_BT, idx_BK, gamma, kind):  # noqa: ANN001, ANN205
+        r_BK = torch.gather(r_BT, 1, idx_BK)
+        g_BK, slope_BK, dgamma_BK = _gate_and_slope(r_BK, kind, gamma)
+        index = idx_BK.unsqueeze(-1).expand(-1, -1, x_BTD.shape[-1])
+        out = x_BTD.scatter_add(1, index, (g_BK.unsqueeze(-1) * f_BKD).to(x_BTD.dtype))
+        ctx.save_for_backward(f_BKD, idx_BK, g_BK, slope_BK, dgamma_BK)
+        ctx.r_shape, ctx.gamma_dtype = r_BT.shape, None if gamma is None else gamma.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g_out):  # noqa: ANN001, ANN205
+        f_BKD, idx_BK, g_BK, slope_BK, dgamma_BK = ctx.saved_tensors
+        index = idx_BK.unsqueeze(-1).expand(-1, -1, g_out.shape[-1])
+        g_sel_BKD = torch.gather(g_out, 1, index)
+        grad_f = grad_r = grad_gamma = None
+        if ctx.needs_input_grad[1]:
+            grad_f = (g_sel_BKD * g_BK.unsqueeze(-1)).to(f_BKD.dtype)
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[4]:
+            dg_BK = (g_sel_BKD * f_BKD).sum(-1, dtype=g_BK.dtype)  # dL/dg per token
+            if ctx.needs_input_grad[2]:
+                grad_r = torch.zeros(ctx.r_shape, dtype=dg_BK.dtype, device=dg_BK.device)
+                grad_r.scatter_(1, idx_BK, dg_BK * slope_BK)
+            if ctx.needs_input_grad[4]:
+                grad_gamma = (dg_BK * dgamma_BK).sum().reshape(1).to(ctx.gamma_dtype)
+        return g_out, grad_f, grad_r, None, grad_gamma, None
+
+
+def gated_scatter(
+    x_BTD: torch.Tensor,
+    f_BKD: torch.Tensor,
+    r_BT: torch.Tensor,
+    idx_BK: torch.Tensor,
+    kind: str,
+    gamma: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A sparse block's output in training: ``x + gate(r[idx]) * f`` at ``idx``.
+
+    Out of place; ``x`` unchanged at unselected positions. Equals
+    ``scatter_add_tokens(x, idx, gate(gather(r, idx), kind, gamma)[..., None] * f)``
+    (:func:`gate`), as one autograd node (:class:`_GatedScatterFn`).
+    """
+    return _GatedScatterFn.apply(x_BTD, f_BKD, r_BT, idx_BK, gamma, kind)
+
+
 def selection_mask(idx_BK: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Boolean (B, T) mask of the selected positions."""
     mask = torch.zeros(idx_BK.shape[0], seq_len, dtype=torch.bool, device=idx_BK.device)
