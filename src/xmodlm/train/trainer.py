@@ -484,32 +484,61 @@ def _train_step(
     ddp: Dist,
     device: torch.device,
 ) -> dict[str, Any]:
-    """One optimiser step over ``grad_accum`` micro-batches; returns what to log."""
+    """One optimiser step of the run: its micro-batches are a pure function of (seed, step)."""
     t = cfg.train
-    dtype = resolve_dtype(t.dtype, device)
-    loss_sum = torch.zeros((), device=device)
-    aux_sums: dict[str, torch.Tensor] = {}
-    for micro in range(t.grad_accum):
-        x, y = get_batch(
+
+    def micro_batch(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return get_batch(
             data, t.batch_size, cfg.model.context, t.seed, step, ddp.rank, ddp.world_size,
             micro, t.grad_accum,
         )
+
+    return train_step(
+        model, opt, micro_batch, t.grad_accum, dtype=resolve_dtype(t.dtype, device),
+        grad_clip=t.grad_clip, device=device, world_size=ddp.world_size,
+    )
+
+
+def train_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    micro_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    grad_accum: int,
+    *,
+    dtype: str,
+    grad_clip: float,
+    device: torch.device,
+    world_size: int = 1,
+) -> dict[str, Any]:
+    """One optimiser step over ``grad_accum`` micro-batches; returns what to log.
+
+    Public so that ``xmod bench`` times exactly the step training runs.
+    ``micro_batch(i)`` gives micro-batch ``i``'s (inputs, targets), fetched when
+    needed so that only one is held at a time. ``model(x, y)`` returns a
+    :class:`~xmodlm.model.transformer.ModelOutput` (or anything with ``loss``,
+    ``total_loss`` and ``aux``); ``dtype`` is a resolved dtype name (``fp32``,
+    ``bf16``, ...). With ``world_size > 1`` the logged loss is averaged over ranks.
+    """
+    loss_sum = torch.zeros((), device=device)
+    aux_sums: dict[str, torch.Tensor] = {}
+    for micro in range(grad_accum):
+        x, y = micro_batch(micro)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        sync = micro == t.grad_accum - 1 or not hasattr(model, "no_sync")
+        sync = micro == grad_accum - 1 or not hasattr(model, "no_sync")
         ctx = contextlib.nullcontext() if sync else model.no_sync()
         with ctx:
             with autocast_context(device, dtype):
                 out = model(x, y)
-            (out.total_loss / t.grad_accum).backward()
-        loss_sum += out.loss.detach() / t.grad_accum
+            (out.total_loss / grad_accum).backward()
+        loss_sum += out.loss.detach() / grad_accum
         for k, v in out.aux.items():
-            aux_sums[k] = aux_sums.get(k, 0.0) + v / t.grad_accum
-    if ddp.world_size > 1:
+            aux_sums[k] = aux_sums.get(k, 0.0) + v / grad_accum
+    if world_size > 1:
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
     loss = float(loss_sum)
     record: dict[str, Any] = {"loss": loss, **{k: float(v) for k, v in aux_sums.items()}}
     if math.isfinite(loss):
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
         record["grad_norm"] = grad_norm
         if math.isfinite(grad_norm):
             opt.step()
