@@ -132,6 +132,16 @@ def world(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         "spec_family_int": {"families": [5]},
         "spec_family_unknown": {"families": [{"family": "banana"}]},
         "spec_set_int": {"set": [5]},
+        "spec_compute_ctx_missing": {"compute": {64: [2.0e9]}},
+        "spec_compute_map_noctx": {"compute": {32: [2.0e9]}, "context": None},
+        "spec_require_unknown": {"require": {"min_epochs": 1}},
+        "spec_require_abc": {"require": {"min_steps": "many"}},
+        "spec_require_list": {"require": [1]},
+        "spec_family_seeds_neg": {"families": [{"family": "dense", "seeds": [-2]}]},
+        "spec_family_compute_neg": {"families": [{"family": "dense", "compute": [-1.0]}]},
+        "spec_breaks_min_steps": {"require": {"min_steps": 100}},
+        "spec_breaks_head": {"require": {"max_head_frac": 0.01}},
+        "spec_breaks_epochs": {"require": {"max_epochs": 1e-6}},
         "spec_no_data": {"set": [f"data.dir={root / 'nowhere'}", "model.vocab_size=300"]},
         "spec_good": {},
     }
@@ -227,7 +237,13 @@ CASES: list[tuple[str, list[str], int]] = [
         "spec_compute_abc", "spec_compute_neg", "spec_compute_inf", "spec_capacity_abc",
         "spec_capacity_2", "spec_stride_frac", "spec_stride_str", "spec_lr_abc",
         "spec_gating_num", "spec_width_abc", "spec_dense_nolayers", "spec_seeds_neg",
-        "spec_context_0", "spec_family_int", "spec_family_unknown", "spec_set_int")],
+        "spec_context_0", "spec_family_int", "spec_family_unknown", "spec_set_int",
+        "spec_compute_ctx_missing", "spec_compute_map_noctx", "spec_require_unknown",
+        "spec_require_abc", "spec_require_list", "spec_family_seeds_neg",
+        "spec_family_compute_neg")],
+    # a spec that breaks its own design rules: refused before any run (a dry run shows it)
+    *[(f"sweep {name}", [*S, f"{{{name}}}", "--out", "{new}", "--quiet"], 2) for name in (
+        "spec_breaks_min_steps", "spec_breaks_head", "spec_breaks_epochs")],
     ("sweep missing data, once up front", [*S, "{spec_no_data}", "--out", "{new}", "--quiet"], 2),
     ("sweep --workers 0", [*S, "{spec_good}", "--out", "{new}", "--workers", "0"], 2),
     ("sweep --workers -3", [*S, "{spec_good}", "--out", "{new}", "--workers", "-3"], 2),
@@ -527,7 +543,7 @@ def test_non_finite_final_loss_is_diverged(
 
 def test_sweep_spec_numbers_read_as_strings_are_numbers(world: dict[str, str]) -> None:
     from xmodlm.sweep import expand, load_spec
-    from xmodlm.sweep.runner import check_spec
+    from xmodlm.sweep.spec import check_spec
 
     spec = load_spec(world["spec_good"])
     spec["compute"] = ["2e9"]

@@ -118,6 +118,7 @@ def test_readme_runs_as_written(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
     shutil.copytree(tiny_data_dir, tmp_path / "data" / "corpus")
+    (tmp_path / "results").symlink_to(README.parent / "results")  # as in a clone: read-only use
     monkeypatch.chdir(tmp_path)
     ran = 0
     for block in readme_blocks(README.read_text(encoding="utf-8")):

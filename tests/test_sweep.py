@@ -123,7 +123,8 @@ def test_cli_dry_run(tiny_data_dir: Path, tmp_path: Path, capsys: pytest.Capture
     assert main(["sweep", str(spec), "--dry-run"]) == 0
     out = capsys.readouterr().out
     for col in ("id", "family", "stride", "capacity", "n_layers", "params_total",
-                "params_active", "flops_per_token", "tokens", "compute", "est_s"):
+                "params_active", "flops_per_token", "tokens", "compute", "steps",
+                "warmup_steps", "head_frac", "epochs", "est_s"):
         assert col in out
     assert main(["sweep", str(tmp_path / "missing.yaml"), "--dry-run"]) == 2
 
@@ -174,3 +175,92 @@ def test_runs_of_an_older_release_are_recognised(tiny_data_dir: Path, tmp_path: 
     assert [r.run_id for r in adopted[1:]] == [r.run_id for r in runs[1:]]
     tagged = [dataclasses.replace(runs[0], cfg=runs[0].cfg.merge(["train.wandb_tags=a"]))]
     assert adopt_earlier_runs(tagged, runs_dir)[0].run_id == runs[0].run_id
+
+
+def test_budgets_per_context_and_family_narrowing(tiny_data_dir: Path, tmp_path: Path) -> None:
+    """compute may map each context to its tiers; a family may narrow seeds and compute;
+    runs come tier by tier."""
+    families = [
+        {"family": "dense"},
+        {"family": "xmod", "stride": 2, "capacity": 0.5, "seeds": [0],
+         "compute": {32: [2.0e9], 64: [4.0e9]}},
+    ]
+    spec = load_spec(_spec(tmp_path, tiny_data_dir, families, context=[32, 64],
+                           compute={32: [2.0e9, 6.0e9], 64: [4.0e9, 1.2e10]}, seeds=[0, 1]))
+    runs = expand(spec)
+    got = [(r.cfg.model.family, r.cfg.model.context, r.compute, r.cfg.train.seed) for r in runs]
+    assert got == [
+        ("dense", 32, 2.0e9, 0), ("dense", 32, 2.0e9, 1), ("xmod", 32, 2.0e9, 0),
+        ("dense", 64, 4.0e9, 0), ("dense", 64, 4.0e9, 1), ("xmod", 64, 4.0e9, 0),
+        ("dense", 32, 6.0e9, 0), ("dense", 32, 6.0e9, 1),
+        ("dense", 64, 1.2e10, 0), ("dense", 64, 1.2e10, 1),
+    ]
+    # a plain list of budgets is the same budgets at every context, ids unchanged by the feature
+    plain = expand(load_spec(_spec(tmp_path, tiny_data_dir, [{"family": "dense"}])))
+    again = expand(load_spec(_spec(tmp_path, tiny_data_dir, [{"family": "dense"}],
+                                   compute={32: [2.0e9]})))
+    assert [r.run_id for r in plain] == [r.run_id for r in again]
+
+
+def test_design_rules_are_measured_per_run(tiny_data_dir: Path, tmp_path: Path) -> None:
+    from xmodlm.sweep.spec import check_requirements
+
+    spec = load_spec(_spec(tmp_path, tiny_data_dir, FOUR))
+    runs = expand(spec)
+    figures, broken = check_requirements(runs, {}, train_tokens=1000)
+    assert broken == []
+    for run, fig in zip(runs, figures, strict=True):
+        assert fig["min_steps"] == run.steps - run.cfg.train.warmup_steps == 3 - 1
+        assert fig["max_warmup_frac"] == pytest.approx(1 / 3)
+        assert fig["max_epochs"] == pytest.approx(run.row()["tokens"] / 1000)
+        m = run.cfg.model
+        head = 2 * m.d_model * m.vocab_size * 3
+        assert fig["max_head_frac"] == pytest.approx(head / flops.count(m).flops_train)
+    assert check_requirements(runs, {"max_epochs": 1e-9})[0][0]["max_epochs"] is None  # unknown
+    with pytest.raises(UserError, match=r"breaks require.max_warmup_frac=0.1: warmup"):
+        check_requirements(runs, {"max_warmup_frac": 0.1})
+    _, broken = check_requirements(runs, {"max_warmup_frac": 0.1, "min_steps": 1}, strict=False)
+    assert len(broken) == 1 and broken[0].endswith("(and 3 more runs)")
+
+
+def test_shipped_cpu_study_meets_its_design_rules() -> None:
+    """Every run of the shipped study: >= 2000 steps after warmup, warmup <= 10%, head
+    <= 41%, <= 4 epochs of the default corpus (5.8M training tokens), two contexts 4x
+    apart, two tiers 3x apart per context, three seeds on the headline families."""
+    from xmodlm.sweep.spec import check_requirements
+
+    spec = load_spec("cpu-study")
+    runs = expand(spec)
+    figures, _ = check_requirements(runs, spec["require"], train_tokens=5_816_633)
+    assert min(f["min_steps"] for f in figures) >= 2000
+    assert max(f["max_epochs"] for f in figures) <= 4
+    assert sorted({r.cfg.model.context for r in runs}) == [128, 512]
+    for T in (128, 512):
+        tiers = sorted({r.compute for r in runs if r.cfg.model.context == T})
+        assert len(tiers) == 2 and tiers[1] / tiers[0] == pytest.approx(3.0)
+        for family in ("dense", "xmod", "mod", "moe"):
+            for C in tiers:
+                seeds = {r.cfg.train.seed for r in runs if r.cfg.model.family == family
+                         and r.cfg.model.context == T and r.compute == C
+                         and r.cfg.model.stride in (1, 2, 4) and r.cfg.model.capacity in (1, 0.125)
+                         and (family != "xmod" or r.cfg.model.stride == 4)}
+                assert seeds == {0, 1, 2}, (family, T, C)
+
+
+def test_dry_run_sizes_from_measured_throughput(tiny_data_dir: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    """--rate-from: times are compute / the FLOP/s finished runs reached (median)."""
+    from xmodlm.sweep.spec import measured_rate
+
+    done = tmp_path / "done"
+    for i, (flops_, wall) in enumerate([(1e12, 10.0), (3e12, 10.0), (2e12, 10.0), (5e12, 0.0)]):
+        run = done / "runs" / f"r{i}"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"status": "ok", "flops": flops_,
+                                                      "wall_s": wall}))
+    assert measured_rate(done) == (2e11, 3)  # the zero-time run is not a measurement
+    spec = _spec(tmp_path, tiny_data_dir, [{"family": "dense"}])
+    assert main(["sweep", str(spec), "--dry-run", "--rate-from", str(done)]) == 0
+    out = capsys.readouterr().out
+    assert "2e+11 FLOP/s a run, measured by 3 finished runs" in out
+    assert main(["sweep", str(spec), "--dry-run", "--rate-from", str(tmp_path / "none")]) == 2

@@ -277,15 +277,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_tokens(runs: list) -> int | None:
+    """Tokens in the training split the runs read (the first run's data directory),
+    or None where it is not prepared yet."""
+    from xmodlm.data.batches import load_manifest
+
+    if not runs:
+        return None
+    try:
+        return int(load_manifest(runs[0].cfg.data.dir)["splits"]["train"]["tokens"])
+    except (UserError, OSError, KeyError, ValueError, TypeError):
+        return None
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from xmodlm.sweep import expand, load_spec, run_sweep, write_results
-    from xmodlm.sweep.runner import (
-        check_options,
-        check_spec,
-        make_executor,
-        parse_executor_options,
-    )
-    from xmodlm.sweep.spec import estimate_seconds
+    from xmodlm.sweep.runner import check_options, make_executor, parse_executor_options
+    from xmodlm.sweep.spec import check_requirements, estimate_seconds, measured_rate
 
     check_options(args.executor, args.workers, args.max_retries)
     options = parse_executor_options(args.executor_opt)
@@ -301,18 +309,36 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             raise UserError(f"sweep spec {args.spec!r} is not UTF-8 text (a binary file?)") from None
     if not args.dry_run:
         _check_out_dir(args.out)
-    runs = expand(check_spec(load_spec(args.spec)), data_dir=args.data)
+    spec = load_spec(args.spec)
+    runs = expand(spec, data_dir=args.data)
+    figures, broken = check_requirements(
+        runs, spec["require"], _train_tokens(runs), strict=not args.dry_run
+    )
     if args.dry_run:
         import pandas as pd
 
         table = pd.DataFrame([r.row() for r in runs])
-        table["est_s"] = estimate_seconds(runs, workers=args.workers)
+        table["epochs"] = [f["max_epochs"] for f in figures]
+        source = args.rate_from or (args.out if Path(args.out).is_dir() else None)
+        measured = None if source is None else measured_rate(source)
+        if args.rate_from and measured is None:
+            raise UserError(f"--rate-from {args.rate_from}: no finished runs (runs/*/summary.json)")
+        table["est_s"] = estimate_seconds(
+            runs, workers=args.workers, rate=None if measured is None else measured[0]
+        )
         fmt = {"capacity": "{:.4g}".format, "params_active": "{:.4g}".format,
                "flops_per_token": "{:.4g}".format, "tokens": "{:.4g}".format,
-               "compute": "{:.3g}".format, "est_s": "{:.0f}".format}
+               "compute": "{:.3g}".format, "est_s": "{:.0f}".format,
+               "head_frac": "{:.2f}".format,
+               "epochs": lambda v: "?" if v is None or v != v else f"{v:.2f}"}
         print(table.to_string(index=False, formatters=fmt))
+        how = ("from the measured matmul peak; rough" if measured is None else
+               f"from {measured[0]:.3g} FLOP/s a run, measured by {measured[1]} finished runs"
+               f" in {source}")
         print(f"{len(table)} runs, estimated {table['est_s'].sum() / 60 / args.workers:.0f} min"
-              f" with {args.workers} worker(s) (from the measured matmul peak; rough)")
+              f" with {args.workers} worker(s) ({how})")
+        for line in broken:  # shown, not refused: a dry run is for fixing the spec
+            print(line.replace("sweep spec: ", "would refuse: "))
         return 0
     result = run_sweep(
         runs, args.out, executor=args.executor, workers=args.workers,
@@ -645,6 +671,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slurm-local", action="store_true",
                    help="run slurm jobs with submitit's local executor (testing)")
     p.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
+    p.add_argument("--rate-from", default=None, metavar="SWEEP_DIR",
+                   help="with --dry-run: estimate times from the FLOP/s that this sweep folder's"
+                   " finished runs reached (default: --out's own finished runs, if any)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.set_defaults(func=cmd_sweep)
 

@@ -136,6 +136,12 @@ def count(cfg: ModelConfig, context: int | None = None) -> Counts:
     )
 
 
+def head_fraction(cfg: ModelConfig, context: int | None = None) -> float:
+    """The LM head's share of training FLOPs per token. Where it is large, a
+    FLOP-matched comparison mostly compares two heads: studies bound it."""
+    return 2.0 * cfg.d_model * cfg.vocab_size / count(cfg, context).flops_forward
+
+
 def flop_match(
     dense: ModelConfig,
     stride: int,

@@ -20,7 +20,6 @@ Executors hand runs to an engine and do no scheduling of their own:
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -36,86 +35,6 @@ from xmodlm.fileio import atomic_write_json, atomic_write_text
 from xmodlm.sweep.spec import RunSpec
 
 ERROR_TAIL_LINES = 20
-
-# value kinds of a spec's family keys, checked before expansion (see check_spec)
-_INT_KEYS = {"stride": 1, "n_experts": 1, "moe_top_k": 1, "warmup_steps": 0}
-_NUMBER_KEYS = {"balance_coef", "causal_coef", "moe_aux_coef", "moe_z_coef", "lr"}
-_STRING_KEYS = {"gating", "causal_router", "anchors"}
-
-
-def _number(value: Any, where: str) -> float:
-    """A finite number; a string YAML 1.1 left unparsed ("1e-3") is read as one."""
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise UserError(f"sweep spec: {where}={value!r}: must be a number") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise UserError(f"sweep spec: {where}={value!r}: must be a finite number")
-    return value
-
-
-def _integer(value: Any, where: str, least: int) -> int:
-    number = _number(value, where)
-    if number != int(number) or number < least:
-        raise UserError(f"sweep spec: {where}={value!r}: must be an integer >= {least}")
-    return int(number)
-
-
-def _listed(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else [value]
-
-
-def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """Check the values of a loaded spec before expansion; return it with numbers that
-    YAML left as strings ("3e12") read as numbers. Every fault is one UserError line."""
-    out = dict(spec)
-    compute = [_number(c, "compute") for c in _listed(spec["compute"])]
-    if any(c <= 0 for c in compute):
-        raise UserError(f"sweep spec: compute={spec['compute']!r}: budgets must be > 0 FLOPs")
-    out["compute"] = compute
-    if spec.get("context") is not None:
-        out["context"] = [_integer(t, "context", 1) for t in _listed(spec["context"])]
-    if "seeds" in spec:
-        out["seeds"] = [_integer(s, "seeds", 0) for s in _listed(spec["seeds"])]
-    for key in ("name", "base"):
-        if key in spec and not isinstance(spec[key], str):
-            raise UserError(f"sweep spec: {key}={spec[key]!r}: must be a string")
-    if any(not isinstance(item, str) for item in _listed(spec.get("set", []))):
-        raise UserError("sweep spec: set must be a list of key.path=value strings")
-    dense = []
-    for ref in _listed(spec["dense"]):
-        if not isinstance(ref, dict) or not {"width", "n_layers"} <= set(ref):
-            raise UserError("sweep spec: each dense entry needs width and n_layers")
-        dense.append({k: _integer(v, f"dense.{k}", 1) if k in ("width", "n_layers", "n_heads")
-                      else v for k, v in ref.items()})
-    out["dense"] = dense
-    families = []
-    for entry in _listed(spec["families"]):
-        if not isinstance(entry, dict):
-            raise UserError(f"sweep spec: families entry {entry!r}: must be a mapping with a family")
-        name = entry.get("family")
-        fam = {}
-        for key, value in entry.items():
-            where = f"families.{name}.{key}"
-            values = _listed(value)
-            if key in _INT_KEYS:
-                values = [_integer(v, where, _INT_KEYS[key]) for v in values]
-            elif key == "capacity":
-                values = [_number(v, where) for v in values]
-                if any(not 0 < v <= 1 for v in values):
-                    raise UserError(f"sweep spec: {where}={value!r}: must be in (0, 1]")
-            elif key in _NUMBER_KEYS:
-                values = [_number(v, where) for v in values]
-                if any(v < 0 for v in values):
-                    raise UserError(f"sweep spec: {where}={value!r}: must be >= 0")
-            elif key in _STRING_KEYS and any(not isinstance(v, str) for v in values):
-                raise UserError(f"sweep spec: {where}={value!r}: must be a string")
-            fam[key] = values if isinstance(value, list) else values[0]
-        families.append(fam)
-    out["families"] = families
-    return out
-
 
 def check_options(executor: str, workers: int | None, max_retries: int) -> None:
     """Options of a sweep, checked before any run starts."""

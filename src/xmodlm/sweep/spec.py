@@ -19,6 +19,18 @@ dense references (width, depth), family variants and seeds::
 ``batch_tokens`` (optional) sets each run's batch size to batch_tokens / T, so
 runs at different contexts take the same tokens per optimiser step.
 
+``compute`` may instead map each context to its budgets
+(``compute: {128: [2e13, 6e13], 512: [3e13, 9e13]}``): a longer context costs more
+FLOPs per token, so the same step count needs a larger C. A family entry may
+narrow the grid for itself with its own ``seeds`` and ``compute`` (same forms):
+the headline families at three seeds, the exploratory ones at one.
+
+``require`` (optional) states the design rules every run must meet, checked
+before anything runs (``xmod sweep`` refuses a spec that breaks one, naming the
+run): ``min_steps`` (optimiser steps after warmup), ``max_warmup_frac``,
+``max_head_frac`` (the LM head's share of training FLOPs) and ``max_epochs``
+(passes over the training split; needs the prepared data to count).
+
 Every non-dense run is FLOP-matched to its dense reference (same width, depth
 chosen so training FLOPs per token are closest; DESIGN 4) and every run gets the
 same compute C, so D = C / F_token. A run's id is a hash of its fully resolved
@@ -30,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -49,11 +62,19 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 SPEC_KEYS = {
     "name", "base", "compute", "context", "dense", "families", "seeds", "set", "batch_tokens",
+    "require",
 }
 ROUTING_KEYS = {"stride", "capacity", "gating", "balance_coef", "causal_router", "causal_coef"}
 MOE_KEYS = {"n_experts", "moe_top_k", "moe_aux_coef", "moe_z_coef"}
 LAYOUT_KEYS = {"anchors"}  # "stride" (every S-th block, the default) | "first" (block 0 only)
 TRAIN_KEYS = {"lr", "warmup_steps"}  # per-family training settings (e.g. tuned learning rates)
+GRID_KEYS = {"seeds", "compute"}  # per-family narrowing of the spec's grid (not crossed)
+RULES = {  # design rules a spec may require of every run: name -> (kind, what it bounds)
+    "min_steps": ("min", "optimiser steps after warmup"),
+    "max_warmup_frac": ("max", "warmup steps / steps"),
+    "max_head_frac": ("max", "LM head share of training FLOPs"),
+    "max_epochs": ("max", "passes over the training split"),
+}
 
 
 @dataclass(frozen=True)
@@ -83,7 +104,17 @@ class RunSpec:
             "flops_per_token": c.flops_train,
             "tokens": self.compute / c.flops_train,
             "compute": self.compute,
+            "steps": self.steps,
+            "warmup_steps": self.cfg.train.warmup_steps,
+            "head_frac": flops.head_fraction(m),
         }
+
+    @property
+    def steps(self) -> int:
+        """Optimiser steps this run will take on one rank (the trainer's budget rule)."""
+        from xmodlm.train.trainer import resolve_budget
+
+        return resolve_budget(self.cfg, world_size=1).total_steps
 
 
 def spec_names() -> list[str]:
@@ -116,7 +147,127 @@ def load_spec(path: str | Path) -> dict[str, Any]:
     for key in ("compute", "dense", "families"):
         if not spec.get(key):
             raise UserError(f"sweep spec: {key!r} is required and must not be empty")
-    return spec
+    return check_spec(spec)
+
+
+# value kinds of a spec's family keys, checked before expansion (see check_spec)
+_INT_KEYS = {"stride": 1, "n_experts": 1, "moe_top_k": 1, "warmup_steps": 0}
+_NUMBER_KEYS = {"balance_coef", "causal_coef", "moe_aux_coef", "moe_z_coef", "lr"}
+_STRING_KEYS = {"gating", "causal_router", "anchors"}
+
+
+def _number(value: Any, where: str) -> float:
+    """A finite number; a string YAML 1.1 left unparsed ("1e-3") is read as one."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise UserError(f"sweep spec: {where}={value!r}: must be a number") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(f"sweep spec: {where}={value!r}: must be a finite number")
+    return value
+
+
+def _integer(value: Any, where: str, least: int) -> int:
+    number = _number(value, where)
+    if number != int(number) or number < least:
+        raise UserError(f"sweep spec: {where}={value!r}: must be an integer >= {least}")
+    return int(number)
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def _seeds(value: Any, where: str) -> list[int]:
+    return [_integer(v, where, 0) for v in _listed(value)]
+
+
+def _budgets(value: Any, where: str, contexts: list[int] | None) -> list[float] | dict[int, list[float]]:
+    """Compute budgets: a list, or a mapping context -> list covering every context."""
+    def checked(items: Any, label: str) -> list[float]:
+        budgets = [_number(c, label) for c in _listed(items)]
+        if not budgets or any(c <= 0 for c in budgets):
+            raise UserError(f"sweep spec: {label}={items!r}: budgets must be > 0 FLOPs")
+        return budgets
+
+    if not isinstance(value, dict):
+        return checked(value, where)
+    if contexts is None:
+        raise UserError(f"sweep spec: {where} maps contexts to budgets, so context must be given")
+    by_context = {_integer(t, f"{where} key", 1): checked(v, f"{where}.{t}") for t, v in value.items()}
+    if set(by_context) != set(contexts):
+        raise UserError(
+            f"sweep spec: {where} gives budgets for contexts {sorted(by_context)};"
+            f" context is {sorted(contexts)}: give each context its budgets"
+        )
+    return by_context
+
+
+def _rules(value: Any) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise UserError(f"sweep spec: require={value!r}: must be a mapping of rule: bound")
+    unknown = set(value) - set(RULES)
+    if unknown:
+        raise UserError(
+            f"sweep spec: require: unknown rule {sorted(unknown)[0]!r}; allowed: {', '.join(RULES)}"
+        )
+    return {k: _number(v, f"require.{k}") for k, v in value.items()}
+
+
+def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Check the values of a loaded spec before expansion; return it with numbers that
+    YAML left as strings ("3e12") read as numbers. Every fault is one UserError line."""
+    out = dict(spec)
+    if spec.get("context") is not None:
+        out["context"] = [_integer(t, "context", 1) for t in _listed(spec["context"])]
+    out["compute"] = _budgets(spec["compute"], "compute", out.get("context"))
+    if "seeds" in spec:
+        out["seeds"] = _seeds(spec["seeds"], "seeds")
+    out["require"] = _rules(spec.get("require") or {})
+    for key in ("name", "base"):
+        if key in spec and not isinstance(spec[key], str):
+            raise UserError(f"sweep spec: {key}={spec[key]!r}: must be a string")
+    if any(not isinstance(item, str) for item in _listed(spec.get("set", []))):
+        raise UserError("sweep spec: set must be a list of key.path=value strings")
+    dense = []
+    for ref in _listed(spec["dense"]):
+        if not isinstance(ref, dict) or not {"width", "n_layers"} <= set(ref):
+            raise UserError("sweep spec: each dense entry needs width and n_layers")
+        dense.append({k: _integer(v, f"dense.{k}", 1) if k in ("width", "n_layers", "n_heads")
+                      else v for k, v in ref.items()})
+    out["dense"] = dense
+    families = []
+    for entry in _listed(spec["families"]):
+        if not isinstance(entry, dict):
+            raise UserError(f"sweep spec: families entry {entry!r}: must be a mapping with a family")
+        name = entry.get("family")
+        fam = {}
+        for key, value in entry.items():
+            where = f"families.{name}.{key}"
+            if key == "seeds":
+                fam[key] = _seeds(value, where)
+                continue
+            if key == "compute":
+                fam[key] = _budgets(value, where, out.get("context"))
+                continue
+            values = _listed(value)
+            if key in _INT_KEYS:
+                values = [_integer(v, where, _INT_KEYS[key]) for v in values]
+            elif key == "capacity":
+                values = [_number(v, where) for v in values]
+                if any(not 0 < v <= 1 for v in values):
+                    raise UserError(f"sweep spec: {where}={value!r}: must be in (0, 1]")
+            elif key in _NUMBER_KEYS:
+                values = [_number(v, where) for v in values]
+                if any(v < 0 for v in values):
+                    raise UserError(f"sweep spec: {where}={value!r}: must be >= 0")
+            elif key in _STRING_KEYS and any(not isinstance(v, str) for v in values):
+                raise UserError(f"sweep spec: {where}={value!r}: must be a string")
+            fam[key] = values if isinstance(value, list) else values[0]
+        families.append(fam)
+    out["families"] = families
+    return out
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -131,12 +282,14 @@ def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
         raise UserError(
             f"sweep spec: family {family!r} unknown; allowed: {', '.join(FAMILY_DEFAULTS)}"
         )
+    for key in GRID_KEYS:
+        entry.pop(key, None)
     allowed = ROUTING_KEYS | MOE_KEYS | LAYOUT_KEYS | TRAIN_KEYS
     unknown = set(entry) - allowed
     if unknown:
         raise UserError(
             f"sweep spec: family {family}: unknown key {sorted(unknown)[0]!r};"
-            f" allowed: {', '.join(sorted(allowed))}"
+            f" allowed: {', '.join(sorted(allowed | GRID_KEYS))}"
         )
     merged = {**FAMILY_DEFAULTS[family], **entry}
     keys = sorted(merged)
@@ -151,22 +304,32 @@ def run_id(cfg: Config, compute: float) -> str:
 
 
 def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
-    """All runs of a spec, compute-matched, in a deterministic order."""
+    """All runs of a spec, compute-matched, in a deterministic order: by compute tier
+    (the i-th budget of each context), then context, dense reference, family, seed."""
+    spec = check_spec(spec)
     base = spec.get("base", "micro")
     extra = [str(s) for s in _as_list(spec.get("set", []))]
     if data_dir is not None:
         extra.append(f"data.dir={data_dir}")
+    default_seeds = spec.get("seeds", [0])
+    all_seeds = sorted({*default_seeds, *(s for f in spec["families"] for s in f.get("seeds", []))})
+    n_tiers = max(
+        len(_for_context(f.get("compute", spec["compute"]), t))
+        for f in spec["families"] for t in _as_list(spec.get("context", [None]))
+    )
     runs: list[RunSpec] = []
     seen: set[str] = set()
-    for compute, context, dense_ref, family_entry, seed in itertools.product(
-        [float(c) for c in _as_list(spec["compute"])],
+    for tier, context, dense_ref, family_entry, seed in itertools.product(
+        range(n_tiers),
         _as_list(spec.get("context", [None])),
         _as_list(spec["dense"]),
         _as_list(spec["families"]),
-        _as_list(spec.get("seeds", [0])),
+        all_seeds,
     ):
-        if not isinstance(dense_ref, dict) or not {"width", "n_layers"} <= set(dense_ref):
-            raise UserError("sweep spec: each dense entry needs width and n_layers")
+        budgets = _for_context(family_entry.get("compute", spec["compute"]), context)
+        if tier >= len(budgets) or seed not in family_entry.get("seeds", default_seeds):
+            continue
+        compute = budgets[tier]
         overrides = [
             f"model.d_model={dense_ref['width']}",
             f"model.n_layers={dense_ref['n_layers']}",
@@ -189,6 +352,52 @@ def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
                 seen.add(rid)
                 runs.append(RunSpec(rid, cfg, compute))
     return runs
+
+
+def _for_context(
+    budgets: list[float] | dict[int, list[float]], context: int | None
+) -> list[float]:
+    """The budgets (tiers) at ``context``, from a plain list or a per-context mapping."""
+    return budgets[int(context)] if isinstance(budgets, dict) else budgets
+
+
+def check_requirements(
+    runs: list[RunSpec],
+    rules: dict[str, float],
+    train_tokens: int | None = None,
+    strict: bool = True,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each run's figures for the spec's design rules, and one line per broken rule
+    (the first run that breaks it, and how many do). ``strict``: raise the first line
+    as a UserError instead. ``train_tokens`` (the training split's size) is needed
+    only by ``max_epochs``; without it that figure is None and the rule unchecked."""
+    figures: list[dict[str, Any]] = []
+    broken: dict[str, list[str]] = {}
+    for run in runs:
+        steps, warmup = run.steps, run.cfg.train.warmup_steps
+        row = {
+            "min_steps": steps - warmup,
+            "max_warmup_frac": warmup / steps,
+            "max_head_frac": flops.head_fraction(run.cfg.model),
+            "max_epochs": None if train_tokens is None else run.row()["tokens"] / train_tokens,
+        }
+        for rule, bound in rules.items():
+            value = row[rule]
+            kind, what = RULES[rule]
+            if value is not None and (value < bound if kind == "min" else value > bound):
+                m = run.cfg.model
+                broken.setdefault(rule, []).append(
+                    f"sweep spec: run {run.run_id} ({m.family}, T={m.context}, C={run.compute:.3g})"
+                    f" breaks require.{rule}={bound:g}: {what} is {value:.4g}"
+                )
+        figures.append(row)
+    lines = [
+        runs_[0] + (f" (and {len(runs_) - 1} more runs)" if len(runs_) > 1 else "")
+        for runs_ in broken.values()
+    ]
+    if strict and lines:
+        raise UserError(lines[0])
+    return figures, lines
 
 
 def _resolve_variant(dense_cfg: Config, variant: dict[str, Any]) -> Config:
@@ -222,11 +431,36 @@ def _resolve_variant(dense_cfg: Config, variant: dict[str, Any]) -> Config:
 ASSUMED_MFU = 0.3  # small models on CPU reach roughly this share of the matmul peak
 
 
-def estimate_seconds(runs: list[RunSpec], workers: int = 1) -> list[float]:
-    """Rough wall time per run: compute / (measured matmul peak x ASSUMED_MFU),
-    slowed by sharing the machine's cores between ``workers`` concurrent runs. The
-    peak is measured in the dtype training would use here (``train.dtype=auto``):
-    timing bf16 on a CPU that only emulates it would take seconds and mislead."""
+def measured_rate(sweep_dir: str | Path) -> tuple[float, int] | None:
+    """Training FLOP/s per run measured by the finished runs of a sweep folder (median
+    of flops / wall_s over its ``runs/*/summary.json`` with status ok), and how many
+    runs it comes from; None where there are none. The runs' own concurrency is in
+    the figure: it predicts a sweep run with as many workers on the same machine."""
+    import json
+    import statistics
+
+    rates = []
+    for path in sorted(Path(sweep_dir).glob("runs/*/summary.json")):
+        try:
+            s = json.loads(path.read_text())
+            if s.get("status") == "ok" and s.get("wall_s", 0) > 0:
+                rates.append(float(s["flops"]) / float(s["wall_s"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return (statistics.median(rates), len(rates)) if rates else None
+
+
+def estimate_seconds(
+    runs: list[RunSpec], workers: int = 1, rate: float | None = None
+) -> list[float]:
+    """Wall time per run. With ``rate`` (training FLOP/s a run reached in an earlier
+    sweep at this many workers, :func:`measured_rate`): compute / rate. Without it,
+    rough: compute / (measured matmul peak x ASSUMED_MFU), slowed by sharing the
+    machine's cores between ``workers`` concurrent runs. The peak is measured in the
+    dtype training would use here (``train.dtype=auto``): timing bf16 on a CPU that
+    only emulates it would take seconds and mislead."""
+    if rate is not None:
+        return [r.compute / rate for r in runs]
     import torch
 
     from xmodlm.hardware import matmul_peak_gflops, resolve_dtype
