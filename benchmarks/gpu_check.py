@@ -13,8 +13,8 @@ started only while the budget (``--budget-s``) has room:
    (989 TFLOP/s; on a CPU, against the matmul throughput measured here).
 2. ``train``: 200 optimiser steps of each family through the trainer (20 in
    ``--toy``), checking the loss falls; loss, tokens/s and MFU per family.
-3. ``bench``: ``xmod bench`` on this device (training-step ratios side by side,
-   decode speed and KV bytes, compile probe): ``bench.json``.
+3. ``bench``: ``xmod bench --sizes bench`` on this device (training-step ratios
+   side by side, eager and compiled, decode speed and KV bytes): ``bench.json``.
 4. ``study``: the ``gpu-study`` sweep spec, run by run in order of compute then
    family, each only if the throughput measured in stage 1 says it fits the
    remaining budget; then ``results.csv`` and ``xmod report``. Runs that did
@@ -245,10 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         elif stage == "bench":
             from xmodlm.bench import run_bench
 
-            result = run_bench(device=device.type, quick=args.toy, include_law=False)
+            result = run_bench(device=device.type, quick=args.toy, include_law=False,
+                               sizes="bench")
             atomic_write_json(args.out / "bench.json", result)
+            (section,) = result["sizes"]["bench"]["threads"].values()
             result = {"file": "bench.json",
-                      "xmod_vs_dense_flop_matched": result["xmod_vs_dense_flop_matched"]}
+                      "xmod_vs_dense_flop_matched": section["vs_dense"]["xmod_s4_c0125"]["best"],
+                      "dense_vs_gpt2": section["dense_vs_gpt2"]["best"]}
         else:
             if smoke_figs is None:
                 smoke_figs = smoke(size, device, args.data, say)

@@ -13,27 +13,36 @@ import sys
 from pathlib import Path
 
 from xmodlm.bench import run_bench
+from xmodlm.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--quick", action="store_true", help="smoke size, under a minute")
-    parser.add_argument("--reps", type=int, default=None, help="timed rounds (default 5)")
+    parser.add_argument("--quick", action="store_true", help="smoke mode, under a minute")
+    parser.add_argument("--sizes", default=None, help="e.g. bench,w128-t128 (default all)")
+    parser.add_argument("--threads", default=None, help="e.g. 1,2 (default: current count)")
+    parser.add_argument("--reps", type=int, default=None, help="timed rounds (default per size)")
     parser.add_argument("--no-law", action="store_true")
     parser.add_argument("--no-decode", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
-    result = run_bench(
-        device=args.device,
-        quick=args.quick,
-        reps=args.reps,
-        include_law=not args.no_law,
-        include_decode=not args.no_decode,
-        include_compile=False if args.no_compile else None,
-        progress=True,
-    )
+    try:
+        result = run_bench(
+            device=args.device,
+            quick=args.quick,
+            reps=args.reps,
+            include_law=not args.no_law,
+            include_decode=not args.no_decode,
+            include_compile=False if args.no_compile else None,
+            progress=True,
+            sizes=args.sizes,
+            threads=args.threads,
+        )
+    except UserError as err:
+        sys.stderr.write(f"run_bench: error: {err}\n")
+        return 2
     text = json.dumps(result, indent=1)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

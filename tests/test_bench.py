@@ -1,4 +1,4 @@
-"""The benchmark, the reference GPT, and the speed paths of the model (DESIGN 9, 11).
+"""The benchmark, the reference models, and the speed paths of the model (DESIGN 9, 11).
 
 The fast paths (fused router/top-k/gather node, hand-written norm, rotary,
 SwiGLU and cross-entropy backwards) are checked against the plain formulas they
@@ -8,6 +8,8 @@ replace, forward and backward; the routed block is checked compile-clean.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 
 import pytest
 import torch
@@ -15,7 +17,20 @@ import torch.nn.functional as F
 
 from conftest import tiny_model_cfg
 from xmodlm import flops
-from xmodlm.bench import TARGETS, run_bench
+from xmodlm.bench import (
+    SIZES,
+    TARGETS,
+    GPT2Reference,
+    bench_configs,
+    family_configs,
+    gpt2_counts,
+    parse_sizes,
+    parse_threads,
+    run_bench,
+)
+from xmodlm.bench.sizes import size_named
+from xmodlm.bench.targets import evaluate, main_threads
+from xmodlm.errors import UserError
 from xmodlm.model import Transformer, routing
 from xmodlm.model.blocks import RoutedBlock
 from xmodlm.model.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, cross_entropy_fp32
@@ -222,42 +237,183 @@ def _positive(node: object) -> bool:
     return isinstance(node, (int, float)) and node > 0
 
 
-def test_quick_bench_smoke() -> None:
-    res = run_bench(quick=True, reps=2, include_law=False, include_decode=True)
-    for key in (
-        "matmul_peak_gflops", "train_step", "xmod_vs_dense_same_params",
-        "xmod_vs_dense_flop_matched", "routing_overhead", "reference_gpt", "law_fit_s",
-        "decode", "compile", "machine", "targets",
-    ):
+FAMILY = ("dense", "mod", "xmod_s4_c0125", "xmod_s8_c0125", "moe", "dense_same_params")
+MODELS = (*FAMILY, "gpt2", "reference_gpt")
+
+
+@pytest.fixture(scope="module")
+def quick_result() -> dict:
+    """One smoke run shared by the tests below: two sizes, one thread, two rounds."""
+    torch.set_num_threads(1)
+    return run_bench(quick=True, reps=2, include_law=False, sizes="bench,w128-t128", threads=[1])
+
+
+def test_quick_bench_has_every_size_model_and_comparison(quick_result: dict) -> None:
+    res = quick_result
+    assert list(res["sizes"]) == ["bench", "w128-t128"] and res["threads"] == [1]
+    for key in ("routing_overhead", "decode", "law_fit_s", "targets", "machine",
+                "sweep_worker_throughput"):
         assert key in res, key
-    assert "bf16" not in res["matmul_peak_gflops"] or _positive(res["matmul_peak_gflops"]["bf16"])
-    assert _positive(res["matmul_peak_gflops"]["fp32"])
-    assert set(res["train_step"]) >= {"dense", "mod", "xmod_s4_c0125", "xmod_s8_c0125", "moe"}
-    for name, fig in res["train_step"].items():
-        assert _positive(fig["ms"]) and fig["tokens_per_s"] > 0, name
-        assert 0 < fig["mfu"]["median"] < 1.5, name
-        assert fig["ms"]["min"] <= fig["ms"]["median"] <= fig["ms"]["max"]
-    assert res["train_step"]["moe"]["layout"] == "EEEE"
-    assert res["train_step"]["xmod_s8_c0125"]["layout"].startswith("Dsssssss")
-    same = res["xmod_vs_dense_same_params"]
-    assert _positive(same["speedup_measured"]) and same["speedup_ideal"] > 2
-    assert same["params_total"]["dense"] == pytest.approx(same["params_total"]["xmod"], rel=0.01)
-    assert _positive(res["xmod_vs_dense_flop_matched"]["time_ratio"])
-    assert _positive(res["reference_gpt"]["dense_vs_reference"])
+    for name, section in res["sizes"].items():
+        assert set(section["models"]) == set(MODELS), name
+        assert "skipped" in section["compile"]  # quick mode: eager only
+        sec = section["threads"]["1"]
+        assert sec["reps"] == 2
+        assert _positive(sec["matmul_peak_gflops"]["fp32"])
+        assert set(sec["train_step"]) == set(MODELS)
+        for model, fig in sec["train_step"].items():
+            assert fig["faster"] == "eager" and fig["best"] == fig["eager"], model
+            assert _positive(fig["eager"]["ms"]) and fig["eager"]["tokens_per_s"] > 0, model
+            assert 0 < fig["eager"]["mfu"]["median"] < 1.5, model
+            ms = fig["eager"]["ms"]
+            assert ms["min"] <= ms["median"] <= ms["max"]
+        assert set(sec["vs_dense"]) == set(FAMILY) - {"dense"}
+        for model, cmp in sec["vs_dense"].items():
+            for mode in ("eager", "best"):
+                assert _positive(cmp[mode]["time_ratio"]), (name, model)
+                assert _positive(cmp[mode]["time_per_flop_ratio"]), (name, model)
+                assert cmp[mode]["time_per_flop_ratio"]["median"] == pytest.approx(
+                    cmp[mode]["time_ratio"]["median"] / cmp[mode]["flop_ratio"])
+            assert abs(cmp["best"]["flop_ratio"] - 1) < 0.15 or model == "dense_same_params"
+        assert _positive(sec["dense_vs_gpt2"]["best"]["time_ratio"])
+        assert _positive(sec["dense_vs_reference"]["best"]["time_ratio"])
+        same = sec["xmod_vs_dense_same_params"]
+        assert _positive(same["speedup_measured"]) and same["speedup_ideal"] > 2
+    bench = res["sizes"]["bench"]
+    assert bench["shape"]["d_model"] == 128 and bench["shape"]["context"] == 256  # shrunk
+    assert res["sizes"]["w128-t128"]["shape"] == {
+        "d_model": 128, "n_heads": 4, "context": 128, "vocab_size": 4096, "batch": 16,
+        "tokens_per_step": 2048,
+    }
+    assert bench["models"]["moe"]["layout"] == "EEEE"
+    assert bench["models"]["xmod_s8_c0125"]["layout"].startswith("Dsssssss")
+    assert abs(bench["models"]["gpt2"]["flops_vs_dense"] - 1) < 0.05
+    json.dumps(res)  # one JSON object
+
+
+def test_quick_bench_single_size_sections_and_targets(quick_result: dict) -> None:
+    res = quick_result
+    assert res["routing_overhead"]["size"] == "bench"
     assert 0 < res["routing_overhead"]["share"] < 1
     dec = res["decode"]
     assert dec["dense"]["tokens_per_s"] > 0 and dec["xmod"]["tokens_per_s"] > 0
     assert dec["xmod"]["kv_bytes_used"] < dec["dense"]["kv_bytes_used"]
-    assert "skipped" in res["law_fit_s"] and "skipped" in res["compile"]
-    assert set(TARGETS) <= set(res["targets"])
-    import json
+    assert "skipped" in res["law_fit_s"]
+    assert res["sweep_worker_throughput"]["tokens_per_s"] > 0
+    targets = res["targets"]
+    assert {t.name for t in TARGETS} <= set(targets)
+    for t in TARGETS:
+        row = targets[t.name]
+        assert row["pass"] is None and row[t.kind] == t.bound  # quick: no pass/miss
+        measured = t.size in res["sizes"]
+        assert (row["value"] is not None) == measured, t.name
 
-    json.dumps(res)  # one JSON object
+
+def test_targets_judge_at_the_main_thread_count() -> None:
+    def section(ratio: float) -> dict:
+        return {"vs_dense": {"xmod_s4_c0125": {"best": {"time_ratio": {"median": ratio}}}}}
+
+    result = {"quick": False, "law_fit_s": {"seconds": 70.0},
+              "sizes": {"w128-t128": {"threads": {"1": section(1.2), "2": section(1.01)}}}}
+    got = evaluate(result, threads=2)
+    row = got["xmod_s4_vs_dense@w128-t128"]
+    assert (row["value"], row["pass"], row["threads"]) == (1.01, True, 2)
+    assert row["other_threads"] == {"1": {"value": 1.2, "pass": False}}
+    assert got["xmod_s4_vs_dense@bench"]["value"] is None
+    assert got["xmod_s4_vs_dense@bench"]["pass"] is None
+    assert got["law_fit_s"]["pass"] is False
+    assert evaluate({**result, "quick": True}, threads=2)["law_fit_s"]["pass"] is None
+    assert main_threads([1, 2], default=2) == 2 and main_threads([1], default=2) == 1
+
+
+def test_bench_step_is_the_trainers_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench times xmodlm.train.trainer.train_step, not a copy of it."""
+    from xmodlm.bench import step as bench_step
+    from xmodlm.train import trainer
+
+    calls = []
+
+    def counting(*args: object, **kwargs: object) -> dict:
+        calls.append(kwargs["grad_clip"])
+        return trainer.train_step(*args, **kwargs)
+
+    monkeypatch.setattr(bench_step, "train_step", counting)
+    cfg = tiny_model_cfg()
+    for kind in bench_step.KINDS:
+        case = bench_step.make_case(kind, cfg, 2, torch.device("cpu"), kind)
+        before = [p.detach().clone() for p in case.model.parameters()]
+        record = case.step()
+        assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
+        after = list(case.model.parameters())
+        assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)), kind
+    assert calls == [1.0] * len(bench_step.KINDS)
+
+
+def test_gpt2_reference_is_gpt2_shaped() -> None:
+    """Tied embedding and head, learned positions, LayerNorm, 4x GELU MLP; its analytic
+    counts match the module and its FLOPs are within a few % of our dense model's."""
+    cfg = tiny_model_cfg()
+    model = GPT2Reference(cfg)
+    assert model.head.weight is model.tok_embed.weight
+    assert model.pos_embed.weight.shape == (cfg.context, cfg.d_model)
+    assert isinstance(model.blocks[0].ln1, torch.nn.LayerNorm)
+    assert model.blocks[0].fc.out_features == 4 * cfg.d_model
+    assert sum(p.numel() for p in model.parameters()) == gpt2_counts(cfg).params_total
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.context))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (2, cfg.context, cfg.vocab_size)
+    loss.backward()
+    assert model.pos_embed.weight.grad is not None and model.pos_embed.weight.grad.abs().sum() > 0
+    # positions matter: the same token at two positions gets two different outputs
+    same = torch.full((1, 8), 5)
+    out, _ = model(same)
+    assert not torch.allclose(out[0, 0], out[0, 7])
+    for name in SIZES:
+        dense = size_named(name).dense()
+        ours, gpt2 = flops.count(dense).flops_train, gpt2_counts(dense).flops_train
+        assert abs(gpt2 / ours - 1) < 0.05, name
+
+
+def test_named_sizes_resolve() -> None:
+    shapes = {name: size_named(name).dense() for name in SIZES}
+    got = {n: (c.d_model, c.n_heads, c.context, c.vocab_size) for n, c in shapes.items()}
+    assert got == {
+        "bench": (512, 8, 1024, 4096),
+        "w128-t128": (128, 4, 128, 4096),
+        "w128-t512": (128, 4, 512, 4096),
+        "w256-t256": (256, 4, 256, 4096),
+    }
+    quick = size_named("bench", quick=True)
+    assert quick.dense().d_model == 128 and quick.timing.budget_s is None
+    assert parse_sizes(None) == list(SIZES) and parse_sizes(None, quick=True) == ["bench"]
+    assert parse_sizes("w128-t128, bench,w128-t128") == ["w128-t128", "bench"]
+    assert parse_sizes("all") == list(SIZES)
+    assert parse_threads("1,2", default=4) == [1, 2] and parse_threads(None, default=4) == [4]
+    for bad in ("huge", ",", "bench,w64"):
+        with pytest.raises(UserError):
+            parse_sizes(bad)
+    for bad_threads in ("0", "a", "1,-2", ""):
+        with pytest.raises(UserError):
+            parse_threads(bad_threads, default=1)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [("--sizes", "huge", "unknown size 'huge'"), ("--sizes", ",", "--sizes"),
+     ("--threads", "0", "--threads"), ("--threads", "two", "--threads")],
+)
+def test_bad_sizes_and_threads_exit_2_with_one_line(
+    flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from xmodlm.cli import main
+
+    assert main(["bench", "--quick", "--json", flag, value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and says in captured.err, captured.err
 
 
 def test_bench_configs_are_what_the_bench_says() -> None:
-    from xmodlm.bench import bench_configs
-
     cfgs = bench_configs()
     dense = cfgs["dense"]
     assert (dense.d_model, dense.n_layers, dense.context) == (512, 4, 1024)
@@ -265,9 +421,11 @@ def test_bench_configs_are_what_the_bench_says() -> None:
     assert cfgs["dense_same_params"] == dataclasses.replace(dense, n_layers=12)
     assert cfgs["moe"].expert_dim == dense.ffn_dim // 2
     assert cfgs["mod"].gating == "logit" and cfgs["mod"].stride == 2
-    for name in ("mod", "xmod_s8_c0125"):
-        gap = flops.count(cfgs[name]).flops_train / flops.count(dense).flops_train - 1
-        assert abs(gap) < 0.15, name
+    for name in SIZES:
+        cfgs = family_configs(size_named(name).dense())
+        for fam in ("mod", "xmod_s4_c0125", "xmod_s8_c0125", "moe"):
+            gap = flops.count(cfgs[fam]).flops_train / flops.count(cfgs["dense"]).flops_train - 1
+            assert abs(gap) < 0.15, (name, fam)
 
 
 def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_it() -> None:

@@ -164,9 +164,17 @@ def decode_benchmark(
     }
 
 
+PROMPT_LEN = 128  # prompt tokens and new tokens of the decode timing
+QUICK_PROMPT_LEN = 32
+
+
 def decode(dense: Transformer, xmod: Transformer, quick: bool) -> dict[str, Any]:
-    """Decode speed and KV-cache bytes, dense vs X-MoD with the same total parameters."""
-    prompt, new = (32, 32) if quick else (128, 128)
+    """Decode speed and KV-cache bytes, dense vs X-MoD with the same total parameters.
+
+    Batch 1, a random prompt, then as many new tokens as prompt tokens; both at
+    most half the context (the cache holds no more than the context).
+    """
+    prompt = new = min(QUICK_PROMPT_LEN if quick else PROMPT_LEN, dense.cfg.context // 2)
     was = dense.training, xmod.training
     dense.eval()
     xmod.eval()

@@ -1,0 +1,309 @@
+"""``run_bench``: every size, every thread count, eager and compiled, in one process.
+
+For each size (:mod:`xmodlm.bench.sizes`) the bench builds the model family
+FLOP-matched to the size's dense model, the GPT-2 reference
+(:mod:`xmodlm.bench.gpt2`) and the plain :class:`~xmodlm.reference_gpt.ReferenceGPT`;
+each model that has blocks to compile is built twice, eager and compiled
+(:mod:`xmodlm.bench.compile`). Then, at each thread count, all of them are
+timed in the same interleaved rounds (:mod:`xmodlm.bench.step`), so every ratio
+in the output is a paired comparison from one run. Routing overhead and decode
+speed are measured once, on the first size; the law fit once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from xmodlm import flops
+from xmodlm.bench import compile as bench_compile
+from xmodlm.bench.decode import decode
+from xmodlm.bench.overhead import routing_overhead
+from xmodlm.bench.sizes import (
+    DEVICE_PEAK_N,
+    QUICK_PEAK_N,
+    BenchSize,
+    Timing,
+    family_configs,
+    parse_sizes,
+    parse_threads,
+    size_named,
+)
+from xmodlm.bench.step import Case, interleave, make_case, ratio, step_figures, summary, versus
+from xmodlm.bench.targets import evaluate, main_threads, sweep_worker_throughput
+from xmodlm.errors import UserError
+from xmodlm.hardware import environment_record, resolve_device, resolve_dtype, retain_freed_memory
+from xmodlm.model import Transformer
+
+# Timing order within a round: models compared with each other sit close together.
+ORDER = ("reference_gpt", "gpt2", "dense", "xmod_s4_c0125", "dense_same_params",
+         "xmod_s8_c0125", "mod", "moe")
+LAW_FIT = {"n_runs": 200, "n_boot": 1000}
+QUICK_LAW_FIT = {"n_runs": 200, "n_boot": 100}
+MACHINE_KEYS = ("cpu", "cpu_count", "torch_threads", "torch", "python", "platform", "cuda",
+                "git_commit", "xmodlm")
+
+Cases = dict[str, dict[str, Case]]  # model name -> mode -> case
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _load() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+# --- one size --------------------------------------------------------------------------
+
+
+def build_cases(size: BenchSize, device: torch.device, compiled: bool) -> tuple[Cases, dict]:
+    """Every model of ``size``, eager and (where it has blocks to compile) compiled.
+
+    Compiled models take their first step here, which compiles them; if that
+    fails (a platform without a working compiler) every model runs eager and
+    the returned compile record says why.
+    """
+    configs = family_configs(size.dense())
+    specs = {name: (cfg, "ours") for name, cfg in configs.items()}
+    specs["gpt2"] = (configs["dense"], "gpt2")
+    specs["reference_gpt"] = (configs["dense"], "reference")
+    cases: Cases = {}
+    for name in ORDER:
+        cfg, kind = specs[name]
+        cases[name] = {"eager": make_case(name, cfg, size.batch, device, kind)}
+    if not compiled:
+        return cases, {"skipped": "compile off (quick mode or --no-compile)"}
+    bench_compile.reset()
+    record: dict[str, Any] = {"how": bench_compile.HOW, "first_step_s": {}}
+    try:
+        for name in ORDER:
+            cfg, kind = specs[name]
+            if kind == "reference" or not bench_compile.compilable(cases[name]["eager"].model):
+                continue  # the plain reference stays as written; MoE blocks stay eager
+            case = make_case(name, cfg, size.batch, device, kind, compiled=True)
+            t0 = time.perf_counter()
+            case.step()
+            case.first_step_s = record["first_step_s"][name] = time.perf_counter() - t0
+            cases[name]["compiled"] = case
+    except Exception as err:  # noqa: BLE001 - e.g. no working C++ compiler for inductor
+        for modes in cases.values():
+            modes.pop("compiled", None)
+        return cases, {"unavailable": f"torch.compile failed: {type(err).__name__}: {err}"[:300]}
+    return cases, record
+
+
+def compare(cases: Cases, peak: list[float]) -> dict[str, Any]:
+    """The figures of one set of timed rounds: steps, and every paired comparison.
+
+    Each model's ``best`` is its faster mode; comparisons are given per mode
+    (eager with eager, compiled with compiled) and at the best modes.
+    """
+    steps: dict[str, Any] = {}
+    best: dict[str, Case] = {}
+    for name, modes in cases.items():
+        figs = {mode: step_figures(case, peak) for mode, case in modes.items()}
+        faster = bench_compile.faster_mode({m: f["ms"]["median"] for m, f in figs.items()})
+        steps[name] = {**figs, "faster": faster, "best": figs[faster]}
+        best[name] = modes[faster]
+
+    def per_mode(num: str, den: str) -> dict[str, Any]:
+        out = {m: versus(cases[num][m], cases[den][m]) for m in cases[num] if m in cases[den]}
+        return {**out, "best": versus(best[num], best[den])}
+
+    dense_ref = cases["dense"]["eager"]
+    same, xmod = best["dense_same_params"], best["xmod_s4_c0125"]
+    ideal = same.flops_per_token / xmod.flops_per_token
+    measured = ratio(same, xmod)
+    return {
+        "train_step": steps,
+        "vs_dense": {
+            name: per_mode(name, "dense")
+            for name in ("mod", "xmod_s4_c0125", "xmod_s8_c0125", "moe", "dense_same_params")
+        },
+        "dense_vs_gpt2": per_mode("dense", "gpt2"),
+        "dense_vs_reference": {
+            "eager": versus(dense_ref, cases["reference_gpt"]["eager"]),
+            "best": versus(best["dense"], cases["reference_gpt"]["eager"]),
+        },
+        "xmod_vs_dense_same_params": {
+            "speedup_measured": measured,
+            "speedup_ideal": ideal,
+            "efficiency": {k: v / ideal for k, v in measured.items()},
+            "modes": {"dense_same_params": same.mode, "xmod_s4_c0125": xmod.mode},
+        },
+        "compiled_over_eager": {
+            name: ratio(modes["compiled"], modes["eager"])
+            for name, modes in cases.items() if "compiled" in modes
+        },
+    }
+
+
+def describe(cases: Cases) -> dict[str, Any]:
+    """What each model of a size is: layout, parameters, FLOPs (analytic), vs dense."""
+    dense = cases["dense"]["eager"]
+    out: dict[str, Any] = {}
+    for name, modes in cases.items():
+        case = modes["eager"]
+        row: dict[str, Any] = {
+            "params_total": case.params_total,
+            "flops_per_token_train": case.flops_per_token,
+            "flops_vs_dense": case.flops_per_token / dense.flops_per_token,
+        }
+        if isinstance(case.model, Transformer):
+            row.update(layout=case.cfg.block_layout, n_layers=case.cfg.n_layers,
+                       params_active=flops.count(case.cfg).params_active)
+        out[name] = row
+    out["gpt2"]["what"] = (
+        "GPT-2 architecture at the dense shape (xmodlm.bench.gpt2): learned positions,"
+        " LayerNorm, GELU MLP of 4 d, tied embedding and head, causal SDPA; the dense"
+        " model's optimiser"
+    )
+    out["reference_gpt"]["what"] = (
+        "xmodlm.reference_gpt.ReferenceGPT, always eager: the dense architecture written"
+        " plainly (separate q/k/v/gate/up, autograd norm and rotary, plain AdamW)"
+    )
+    return out
+
+
+def time_size(
+    size: BenchSize,
+    threads: list[int],
+    device: torch.device,
+    *,
+    compiled: bool,
+    timing: Timing,
+    peak_n: int,
+    say: Callable[[str], None],
+) -> tuple[dict[str, Any], Cases]:
+    """Build and time every model of ``size`` at each thread count; returns the
+    size's section of the result and its cases (for the single-size sections)."""
+    say(f"{size.name}: building {len(ORDER)} models" + (", eager and compiled" if compiled else ""))
+    cases, compile_record = build_cases(size, device, compiled)
+    dense = cases["dense"]["eager"].cfg
+    section: dict[str, Any] = {
+        "what": size.what,
+        "shape": {"d_model": dense.d_model, "n_heads": dense.n_heads, "context": dense.context,
+                  "vocab_size": dense.vocab_size, "batch": size.batch,
+                  "tokens_per_step": size.batch * dense.context},
+        "models": describe(cases),
+        "compile": compile_record,
+        "threads": {},
+    }
+    order = [c for name in ORDER for m, c in cases[name].items() if m == "eager"]
+    order += [c for name in reversed(ORDER) for m, c in cases[name].items() if m == "compiled"]
+    for n in threads:
+        torch.set_num_threads(n)
+        say(f"{size.name}: up to {timing.reps} rounds of {len(order)} steps at {n} thread(s)")
+        bf16, fp32 = interleave(order, device, reps=timing.reps, min_reps=timing.min_reps,
+                                warmup=timing.warmup, peak_n=peak_n, budget_s=timing.budget_s)
+        section["threads"][str(n)] = {
+            "reps": len(order[0].times),
+            "matmul_peak_gflops": {**({"bf16": summary(bf16)} if bf16 else {}),
+                                   "fp32": summary(fp32), "n": peak_n},
+            **compare(cases, bf16 or fp32),  # MFU against the peak of the steps' dtype
+        }
+    return section, cases
+
+
+# --- the entry point -------------------------------------------------------------------
+
+
+def law_fit(quick: bool) -> dict[str, Any]:
+    """Seconds for one full law fit on synthetic runs (:func:`xmodlm.law.bench.bench_fit`)."""
+    from xmodlm.law.bench import bench_fit
+
+    args = QUICK_LAW_FIT if quick else LAW_FIT
+    return {"seconds": float(bench_fit(**args)), **args, "source": bench_fit.__module__}
+
+
+def _timing(size: BenchSize, reps: int | None, device: torch.device) -> Timing:
+    t = size.timing
+    budget = t.budget_s if device.type == "cpu" else None  # GPU steps are fast: no budget
+    if reps is None:
+        return Timing(t.reps, t.min_reps, budget, t.warmup)
+    return Timing(reps, min(reps, t.min_reps), budget, t.warmup)
+
+
+def run_bench(
+    device: str = "cpu",
+    quick: bool = False,
+    reps: int | None = None,
+    include_law: bool = True,
+    include_decode: bool = True,
+    include_compile: bool | None = None,
+    progress: bool = False,
+    sizes: str | Iterable[str] | None = None,
+    threads: str | Iterable[int] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark and return one JSON-able dict of figures.
+
+    ``sizes``: names from :data:`xmodlm.bench.sizes.SIZES` (a list or
+    ``"bench,w128-t128"``; ``all``); default every size, or only ``bench``
+    shrunk to smoke size when ``quick``. ``threads``: thread counts to time each
+    size at (``"1,2"``); default the process's current one. ``reps``: timed
+    rounds per size and thread count (default per size; on a CPU each size stops
+    after its minimum once its time budget is spent). ``include_compile``: also
+    time every model with its blocks compiled (default on, off in quick mode).
+    ``progress``: say what runs on stderr. Bad values raise :class:`UserError`.
+    """
+    if reps is not None and (isinstance(reps, bool) or not isinstance(reps, int) or reps < 1):
+        raise UserError(f"reps={reps!r}: must be an integer >= 1 (timed rounds)")
+    names = parse_sizes(sizes, quick)
+    default_threads = torch.get_num_threads()
+    thread_counts = parse_threads(threads, default_threads)
+    main = main_threads(thread_counts, default_threads)
+    t_start = time.perf_counter()
+    say = _log if progress else (lambda msg: None)
+    dev = resolve_device(device)
+    compiled = (not quick) if include_compile is None else include_compile
+    peak_n = QUICK_PEAK_N if quick and dev.type == "cpu" else DEVICE_PEAK_N[dev.type]
+    result: dict[str, Any] = {
+        "device": dev.type,
+        "quick": quick,
+        "dtype": f"{resolve_dtype('auto', dev)} compute, fp32 weights",
+        "allocator": retain_freed_memory() if dev.type == "cpu" else "CUDA caching allocator",
+        "threads": thread_counts,
+        "threads_default": default_threads,
+        "load_avg_start": _load(),
+        "sizes": {},
+    }
+    try:
+        for i, name in enumerate(names):
+            size = size_named(name, quick)
+            section, cases = time_size(size, thread_counts, dev, compiled=compiled,
+                                       timing=_timing(size, reps, dev), peak_n=peak_n, say=say)
+            result["sizes"][name] = section
+            if i == 0:  # single-size sections: on the first size, at the main thread count
+                torch.set_num_threads(main)
+                say(f"{name}: routing overhead of an eager X-MoD step; decode")
+                overhead = routing_overhead(cases["xmod_s4_c0125"]["eager"], dev)
+                result["routing_overhead"] = {"size": name, "threads": main, **overhead}
+                result["decode"] = _decode(cases, quick, name) if include_decode else {
+                    "skipped": "include_decode=False"}
+            del cases
+    finally:
+        torch.set_num_threads(default_threads)
+    if include_law:
+        say("law fit")
+    result["law_fit_s"] = law_fit(quick) if include_law else {"skipped": "include_law=False"}
+    result["sweep_worker_throughput"] = sweep_worker_throughput(result)
+    result["targets"] = evaluate(result, main)
+    env = environment_record()
+    result["machine"] = {k: env.get(k) for k in MACHINE_KEYS}
+    result["load_avg_end"] = _load()
+    result["wall_s"] = time.perf_counter() - t_start
+    return result
+
+
+def _decode(cases: Cases, quick: bool, size: str) -> dict[str, Any]:
+    """Decode, dense vs X-MoD of the same total parameters (eager models of ``size``)."""
+    dense = cases["dense_same_params"]["eager"].model
+    xmod = cases["xmod_s4_c0125"]["eager"].model
+    assert isinstance(dense, Transformer) and isinstance(xmod, Transformer)
+    return {"size": size, **decode(dense, xmod, quick)}
