@@ -589,7 +589,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UserError(f"--reps {args.reps}: must be >= 1 (timed rounds)")
     result = run_bench(
         device=args.device, quick=args.quick, reps=args.reps, include_law=not args.no_law,
-        include_decode=not args.no_decode, progress=not args.json,
+        include_decode=not args.no_decode, include_compile=False if args.no_compile else None,
+        progress=not args.json, sizes=args.sizes, threads=args.threads,
     )
     _print_json(result)  # the figures are one JSON object either way
     return 0
@@ -809,8 +810,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="speed figures, measured side by side in one process")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--quick", action="store_true", help="smoke size, under a minute")
-    p.add_argument("--reps", type=int, default=None, help="timed rounds")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke mode, under a minute: few rounds, no compile, bench size shrunk")
+    p.add_argument("--sizes", default=None, metavar="LIST",
+                   help="comma-separated sizes: bench, w128-t128, w128-t512, w256-t256, or all"
+                   " (default all; --quick: bench)")
+    p.add_argument("--threads", default=None, metavar="LIST",
+                   help="comma-separated thread counts to time each size at, e.g. 1,2"
+                   " (default: the current torch thread count)")
+    p.add_argument("--reps", type=int, default=None, help="timed rounds (default per size)")
+    p.add_argument("--no-compile", action="store_true", help="time eager models only")
     p.add_argument("--no-law", action="store_true", help="skip the law-fit timing")
     p.add_argument("--no-decode", action="store_true", help="skip the decode timing")
     p.add_argument("--json", action="store_true")
