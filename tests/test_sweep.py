@@ -264,3 +264,35 @@ def test_dry_run_sizes_from_measured_throughput(tiny_data_dir: Path, tmp_path: P
     out = capsys.readouterr().out
     assert "2e+11 FLOP/s a run, measured by 3 finished runs" in out
     assert main(["sweep", str(spec), "--dry-run", "--rate-from", str(tmp_path / "none")]) == 2
+
+
+def test_sweep_evaluates_final_checkpoints(tiny_data_dir: Path, tmp_path: Path) -> None:
+    """spec eval: each run's final checkpoint is evaluated after training into eval.json
+    (causal and top-k loss, downstream tasks), whose figures join the results table; a
+    run trained before eval was asked for is evaluated on resume, not retrained."""
+    from xmodlm.sweep.spec import eval_args
+
+    families = [{"family": "dense"}, {"family": "xmod", "stride": 2, "capacity": 0.5}]
+    plain = load_spec(_spec(tmp_path, tiny_data_dir, families))
+    out = tmp_path / "sweep"
+    assert run_sweep(expand(plain), out, progress=False)["ran"] == 2
+    trained = {p.parent.name: p.stat().st_mtime_ns for p in out.glob("runs/*/summary.json")}
+    spec = load_spec(_spec(tmp_path, tiny_data_dir, families,
+                           eval={"tasks": ["cloze"], "split": "val", "max_items": 8}))
+    assert eval_args(spec) == ("--split", "val", "--tasks", "cloze", "--max-items", "8")
+    result = run_sweep(expand(spec), out, progress=False, eval_args=eval_args(spec))
+    assert result["ran"] == 2 and result["failed"] == 0
+    for run_id, mtime in trained.items():
+        assert (out / "runs" / run_id / "summary.json").stat().st_mtime_ns == mtime  # not retrained
+        ev = json.loads((out / "runs" / run_id / "eval.json").read_text())
+        assert ev["split"] == "val" and ev["tasks"]["cloze"]["items"] <= 8
+    table, _ = collect_results(out)
+    assert table["eval_split"].tolist() == ["val", "val"]
+    assert table["task_cloze"].between(0, 1).all()
+    assert table["eval_loss_causal"].notna().all()
+    xmod = table[table["family"] == "xmod"].iloc[0]
+    assert xmod["eval_loss_causal"] != xmod["eval_loss_topk"]
+    assert run_sweep(expand(spec), out, progress=False, eval_args=eval_args(spec))["ran"] == 0
+    bad = _spec(tmp_path, tiny_data_dir, families, eval={"tasks": ["trivia"]})
+    with pytest.raises(UserError, match="unknown task 'trivia'"):
+        load_spec(bad)

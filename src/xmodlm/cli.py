@@ -293,7 +293,12 @@ def _train_tokens(runs: list) -> int | None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from xmodlm.sweep import expand, load_spec, run_sweep, write_results
     from xmodlm.sweep.runner import check_options, make_executor, parse_executor_options
-    from xmodlm.sweep.spec import check_requirements, estimate_seconds, measured_rate
+    from xmodlm.sweep.spec import (
+        check_requirements,
+        estimate_seconds,
+        eval_args,
+        measured_rate,
+    )
 
     check_options(args.executor, args.workers, args.max_retries)
     options = parse_executor_options(args.executor_opt)
@@ -342,7 +347,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return 0
     result = run_sweep(
         runs, args.out, executor=args.executor, workers=args.workers,
-        max_retries=args.max_retries, progress=not args.quiet, **options,
+        max_retries=args.max_retries, progress=not args.quiet, eval_args=eval_args(spec),
+        **options,
     )
     path, n_rows, left_out = write_results(args.out)
     print(f"{result['ran']} ran, {result['skipped']} already done, {result['failed']} failed,"

@@ -24,7 +24,24 @@ EXTRA_COLUMNS = (
     "run_id", "val_loss_causal", "routing_agreement", "wall_s",
     "steps", "batch_tokens", "lr", "warmup_steps", "epochs", "layout", "commit", "error",
 )
-COLUMNS = RUN_COLUMNS + EXTRA_COLUMNS
+# From ``eval.json``, where the sweep evaluated the final checkpoint (spec ``eval``):
+# the held-out loss on the evaluation split under both routings, and one
+# ``task_<name>`` accuracy column per downstream task (added as they appear).
+EVAL_COLUMNS = ("eval_split", "eval_loss_topk", "eval_loss_causal")
+EVAL_FILE = "eval.json"  # in a run directory: ``xmod eval --json`` of its final checkpoint
+COLUMNS = RUN_COLUMNS + EXTRA_COLUMNS + EVAL_COLUMNS
+
+
+def eval_columns(result: dict[str, Any]) -> dict[str, Any]:
+    """Results-table columns from an ``xmod eval --json`` result."""
+    row = {
+        "eval_split": result.get("split"),
+        "eval_loss_topk": result.get("val_loss_topk"),
+        "eval_loss_causal": result.get("val_loss_causal"),
+    }
+    for name, task in (result.get("tasks") or {}).items():
+        row[f"task_{name}"] = task.get("accuracy")
+    return row
 
 # The original Mixture-of-Depths recipe (DESIGN 6): one routed block per pair,
 # 12.5% capacity, the raw router logit as the gate, no depth-wise balancing.

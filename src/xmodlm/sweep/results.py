@@ -23,7 +23,7 @@ from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_text
 
 COLUMNS = list(record.RUN_COLUMNS)
-EXTRA = list(record.EXTRA_COLUMNS)
+EXTRA = list(record.EXTRA_COLUMNS) + list(record.EVAL_COLUMNS)
 ERROR_LINES = 3  # lines of a failed run's error tail kept in the ``error`` column
 
 
@@ -85,6 +85,12 @@ def _row(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
             or not all(isinstance(v, (int, float)) for v in numbers)):
         return None, "incomplete summary.json"
     row = record.row_from_summary(s, run_dir.name)
+    evaluated = run_dir / record.EVAL_FILE
+    if evaluated.is_file():
+        try:
+            row.update(record.eval_columns(json.loads(evaluated.read_text())))
+        except (ValueError, AttributeError):
+            return None, f"corrupt {record.EVAL_FILE}"
     return row, None
 
 
@@ -101,7 +107,8 @@ def collect_results(sweep_dir: str | Path) -> tuple[pd.DataFrame, dict[str, str]
             left_out[run_dir.name] = str(why)
         else:
             rows.append(row)
-    return pd.DataFrame(rows, columns=COLUMNS + EXTRA), left_out
+    tasks = sorted({k for row in rows for k in row if k.startswith("task_")})
+    return pd.DataFrame(rows, columns=COLUMNS + EXTRA + tasks), left_out
 
 
 def write_results(sweep_dir: str | Path, out: str | Path | None = None) -> tuple[Path, int, dict]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_json, atomic_write_text
+from xmodlm.record import EVAL_FILE
 from xmodlm.sweep.spec import RunSpec
 
 ERROR_TAIL_LINES = 20
@@ -64,41 +65,63 @@ class Job:
     run_dir: str
     config_yaml: str
     threads: int
+    eval_args: tuple[str, ...] = ()  # ``xmod eval`` options; empty: no evaluation
+
+
+def _trained_status(run: Path) -> str | None:
+    """The status in a run's summary.json, or None (none yet, or unreadable)."""
+    try:
+        status = json.loads((run / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return status if isinstance(status, str) else None
+
+
+def _failed(outcome: dict[str, Any], log: Path) -> dict[str, Any]:
+    lines = log.read_text(errors="replace").splitlines()
+    return {**outcome, "status": "failed", "error_tail": "\n".join(lines[-ERROR_TAIL_LINES:])}
 
 
 def run_job(job: Job) -> dict[str, Any]:
-    """Train one run in a subprocess; return its outcome (never raises for run errors)."""
+    """Train one run in a subprocess, then evaluate its final checkpoint if asked;
+    return its outcome (never raises for run errors). A run already trained is only
+    evaluated (a sweep resumed after its evaluation was added, or had failed)."""
     run = Path(job.run_dir)
     run.mkdir(parents=True, exist_ok=True)
     cfg_path = run / "sweep_config.yaml"
     atomic_write_text(cfg_path, job.config_yaml)
     env = {**os.environ, "OMP_NUM_THREADS": str(job.threads)}
-    cmd = [sys.executable, "-m", "xmodlm", "train", str(cfg_path), "--out", str(run), "--quiet"]
+    log_path = run / "train.log"
     t0 = time.time()
-    with open(run / "train.log", "a") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    outcome: dict[str, Any] = {"run_id": job.run_id, "returncode": proc.returncode,
-                               "wall_s": time.time() - t0}
-    summary = run / "summary.json"
-    if proc.returncode in (0, 1) and summary.is_file():
-        outcome["status"] = json.loads(summary.read_text()).get("status", "ok")
-    else:
-        outcome["status"] = "failed"
-        lines = (run / "train.log").read_text(errors="replace").splitlines()
-        outcome["error_tail"] = "\n".join(lines[-ERROR_TAIL_LINES:])
+    outcome: dict[str, Any] = {"run_id": job.run_id, "returncode": 0}
+    if _trained_status(run) != "ok":
+        cmd = [sys.executable, "-m", "xmodlm", "train", str(cfg_path), "--out", str(run), "--quiet"]
+        with open(log_path, "a") as log:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        outcome["returncode"] = proc.returncode
+        status = _trained_status(run)
+        if proc.returncode not in (0, 1) or status is None:
+            return _failed({**outcome, "wall_s": time.time() - t0}, log_path)
+    outcome["status"] = _trained_status(run)
+    if job.eval_args and outcome["status"] == "ok" and not (run / EVAL_FILE).is_file():
+        cmd = [sys.executable, "-m", "xmodlm", "eval", str(run), "--json", "--quiet",
+               *job.eval_args]
+        with open(log_path, "a") as log:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+        if proc.returncode != 0:
+            return _failed({**outcome, "returncode": proc.returncode,
+                            "wall_s": time.time() - t0}, log_path)
+        atomic_write_text(run / EVAL_FILE, proc.stdout)
+    outcome["wall_s"] = time.time() - t0
     return outcome
 
 
-def run_state(run_dir: Path) -> tuple[str, int]:
-    """(state, failed attempts) of a run directory: done | failed | pending."""
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        try:
-            status = json.loads(summary.read_text()).get("status")
-        except ValueError:
-            status = None
-        if status in ("ok", "diverged"):
-            return "done", 0
+def run_state(run_dir: Path, needs_eval: bool = False) -> tuple[str, int]:
+    """(state, failed attempts) of a run directory: done | failed | pending. With
+    ``needs_eval``, a trained run is done once its evaluation is written too."""
+    status = _trained_status(run_dir) if (run_dir / "summary.json").is_file() else None
+    if status == "diverged" or (status == "ok" and (not needs_eval or (run_dir / EVAL_FILE).is_file())):
+        return "done", 0
     failure = run_dir / "failure.json"
     attempts = 0
     if failure.is_file():
@@ -172,23 +195,28 @@ class Progress:
         self.enabled = enabled
         self.t0 = time.time()
         self.finished_here = 0
+        # on a terminal the line redraws in place; piped to a log, a plain line is
+        # written only when the counts change (not every few seconds)
+        self.live = sys.stderr.isatty()
+        self.shown: tuple[int, int, int] | None = None
 
     def update(self, running: int) -> None:
         self.running = running
-        if not self.enabled:
+        counts = (self.done, self.running, self.failed)
+        if not self.enabled or (not self.live and counts == self.shown):
             return
+        self.shown = counts
         elapsed = time.time() - self.t0
         left = self.total - self.done - self.failed
         eta = elapsed / self.finished_here * left if self.finished_here else float("nan")
         eta_s = "?" if eta != eta else f"{eta / 60:.1f} min"
-        sys.stderr.write(
-            f"\rsweep: {self.done}/{self.total} done, {self.running} running,"
-            f" {self.failed} failed, ETA {eta_s}   "
-        )
+        line = (f"sweep: {self.done}/{self.total} done, {self.running} running,"
+                f" {self.failed} failed, ETA {eta_s}")
+        sys.stderr.write(f"\r{line}   " if self.live else f"{line}\n")
         sys.stderr.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self.live:
             sys.stderr.write("\n")
 
 
@@ -199,9 +227,14 @@ def run_sweep(
     workers: int | None = None,
     max_retries: int = 2,
     progress: bool = True,
+    eval_args: tuple[str, ...] = (),
     **options: Any,
 ) -> dict[str, Any]:
     """Run every unfinished run of a sweep; return counts and each run's outcome.
+
+    ``eval_args``: ``xmod eval`` options (:func:`xmodlm.sweep.spec.eval_args`); each
+    run's final checkpoint is then evaluated right after training, into
+    ``RUN/eval.json``, while the checkpoint is on this machine.
 
     ``options``: the executor's own (:data:`EXECUTORS`: ``address`` for ray;
     ``folder``, ``params``, ``local`` for slurm). Options and data directories are
@@ -219,18 +252,19 @@ def run_sweep(
     todo, done = [], 0
     runs = adopt_earlier_runs(runs, out / "runs")
     for r in runs:
-        state, attempts = run_state(out / "runs" / r.run_id)
+        state, attempts = run_state(out / "runs" / r.run_id, needs_eval=bool(eval_args))
         if state == "done":
             done += 1
         elif attempts <= max_retries:
-            todo.append(Job(r.run_id, str(out / "runs" / r.run_id), r.cfg.to_yaml(), threads))
+            todo.append(Job(r.run_id, str(out / "runs" / r.run_id), r.cfg.to_yaml(), threads,
+                            tuple(eval_args)))
     bar = Progress(len(runs), done, enabled=progress)
     outcomes: list[dict[str, Any]] = []
     for outcome in engine.submit(todo, bar, threads):
         outcomes.append(outcome)
         run = out / "runs" / outcome["run_id"]
         if outcome["status"] == "failed":
-            _, attempts = run_state(run)
+            _, attempts = run_state(run, needs_eval=bool(eval_args))
             atomic_write_json(run / "failure.json", {**outcome, "attempts": attempts + 1})
             bar.failed += 1
         else:

@@ -25,6 +25,11 @@ FLOPs per token, so the same step count needs a larger C. A family entry may
 narrow the grid for itself with its own ``seeds`` and ``compute`` (same forms):
 the headline families at three seeds, the exploratory ones at one.
 
+``eval`` (optional, ``{tasks: [cloze, minimal_pairs], split: test, max_items: 200}``)
+evaluates each run's final checkpoint right after it trains (``xmod eval``, causal
+and top-k routing, the offline downstream tasks) into ``RUN/eval.json``, whose
+figures join the results table: checkpoints stay on the machine that trained them.
+
 ``require`` (optional) states the design rules every run must meet, checked
 before anything runs (``xmod sweep`` refuses a spec that breaks one, naming the
 run): ``min_steps`` (optimiser steps after warmup), ``max_warmup_frac``,
@@ -62,8 +67,9 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 SPEC_KEYS = {
     "name", "base", "compute", "context", "dense", "families", "seeds", "set", "batch_tokens",
-    "require",
+    "require", "eval",
 }
+EVAL_KEYS = {"tasks": "", "split": "test", "max_items": 200}  # ``eval:`` keys and defaults
 ROUTING_KEYS = {"stride", "capacity", "gating", "balance_coef", "causal_router", "causal_coef"}
 MOE_KEYS = {"n_experts", "moe_top_k", "moe_aux_coef", "moe_z_coef"}
 LAYOUT_KEYS = {"anchors"}  # "stride" (every S-th block, the default) | "first" (block 0 only)
@@ -204,6 +210,38 @@ def _budgets(value: Any, where: str, contexts: list[int] | None) -> list[float] 
     return by_context
 
 
+def _eval_options(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UserError(f"sweep spec: eval={value!r}: must be a mapping ({', '.join(EVAL_KEYS)})")
+    if unknown := set(value) - set(EVAL_KEYS):
+        raise UserError(
+            f"sweep spec: eval: unknown key {sorted(unknown)[0]!r}; allowed: {', '.join(EVAL_KEYS)}"
+        )
+    out = {**EVAL_KEYS, **value}
+    tasks = out["tasks"]
+    tasks = tasks.split(",") if isinstance(tasks, str) else tasks
+    if not isinstance(tasks, list) or any(not isinstance(t, str) or not t for t in tasks):
+        raise UserError(f"sweep spec: eval.tasks={value.get('tasks')!r}: a list of task names")
+    out["tasks"] = [t for t in tasks if t]
+    from xmodlm.eval.tasks import TASKS  # checked now, not after every run has trained
+
+    if bad := [t for t in out["tasks"] if t not in TASKS]:
+        raise UserError(f"sweep spec: eval.tasks: unknown task {bad[0]!r}; allowed: {', '.join(TASKS)}")
+    if out["split"] not in ("val", "test"):
+        raise UserError(f"sweep spec: eval.split={out['split']!r}: allowed: val, test")
+    out["max_items"] = _integer(out["max_items"], "eval.max_items", 1)
+    return out
+
+
+def eval_args(spec: dict[str, Any]) -> tuple[str, ...]:
+    """The ``xmod eval`` options a spec's ``eval`` asks for; empty without one."""
+    options = spec.get("eval")
+    if not options:
+        return ()
+    return ("--split", options["split"], "--tasks", ",".join(options["tasks"]),
+            "--max-items", str(options["max_items"]))
+
+
 def _rules(value: Any) -> dict[str, float]:
     if not isinstance(value, dict):
         raise UserError(f"sweep spec: require={value!r}: must be a mapping of rule: bound")
@@ -225,6 +263,8 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if "seeds" in spec:
         out["seeds"] = _seeds(spec["seeds"], "seeds")
     out["require"] = _rules(spec.get("require") or {})
+    if spec.get("eval") is not None:
+        out["eval"] = _eval_options(spec["eval"])
     for key in ("name", "base"):
         if key in spec and not isinstance(spec[key], str):
             raise UserError(f"sweep spec: {key}={spec[key]!r}: must be a string")
