@@ -4,6 +4,11 @@ Every block exposes ``branch(x)``: its output *minus* its input (attention plus
 MLP contributions). A dense block adds the branch to every token; a routed block
 adds ``gate(r) * branch`` to the tokens it selected and leaves the others alone,
 so the residual is counted exactly once either way.
+
+For decoding with a KV cache every block also exposes ``prefill`` (a right-padded
+batch of prompts in one pass) and ``step`` (one token per sequence), each taking
+its own :class:`~xmodlm.model.kv_cache.BlockCache`; the decoder only loops over
+blocks (:mod:`xmodlm.model.generate` describes the batch rules).
 """
 
 from __future__ import annotations
@@ -12,11 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from xmodlm.config import ModelConfig
 from xmodlm.flops import PREDICTOR_HIDDEN_DIV, capacity_tokens
 from xmodlm.model import routing
+from xmodlm.model.kv_cache import BlockCache
 from xmodlm.model.layers import Attention, RMSNorm, Rotary, SwiGLU, matmul_dtype
 from xmodlm.model.moe import MoEMLP
 
@@ -64,6 +71,22 @@ class Block(nn.Module):
         f, _ = self.mlp_branch(x_BTD + h, h)
         return f, k, v
 
+    def cached_branch(
+        self, x_B1D: torch.Tensor, step: DecodeStep, cache: BlockCache,
+        rows: list[int] | None = None, rows_R: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The branch of one new token per sequence, attending over the cached keys
+        (which it appends to); ``rows``: the sequences (of the batch) these are."""
+        pos_B, cos, sin = step.pos_B, step.cos, step.sin
+        if rows_R is not None:
+            pos_B, cos, sin = pos_B[rows_R], cos[rows_R], sin[rows_R]
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values, mask = cache.step(k, v, pos_B, rows, rows_R)
+            return _sdpa(q, keys, values, mask, causal=False)
+
+        return self.branch_with(x_B1D, cos, sin, attend)[0]
+
     def mlp_branch(
         self, x_BTD: torch.Tensor, h: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -72,6 +95,36 @@ class Block(nn.Module):
             m, aux = self.mlp(self.norm2(x_BTD))
             return h + m, aux
         return h + self.mlp(self.norm2(x_BTD, matmul_dtype(x_BTD))), {}
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+@dataclass
+class Prompts:
+    """A right-padded batch of prompts, as every block's ``prefill`` needs it."""
+
+    rope: Rotary
+    pos_T: torch.Tensor  # 0 .. T-1
+    cos: torch.Tensor  # rotary tables at pos_T
+    sin: torch.Tensor
+    valid_BT: torch.Tensor  # True on prompt tokens, False on padding
+    lens: list[int]  # each prompt's length
+    lens_B: torch.Tensor
+
+
+@dataclass
+class DecodeStep:
+    """One new token per sequence, each at its own position."""
+
+    pos_B: torch.Tensor
+    cos: torch.Tensor  # rotary tables at pos_B, (B, 1, head_dim)
+    sin: torch.Tensor
 
 
 @dataclass
@@ -111,6 +164,18 @@ class DenseBlock(nn.Module):
         cos, sin = rope(pos_T) if rot is None else rot
         f, aux = self.block.branch(x_BTD, cos, sin)
         return x_BTD + f, BlockOutput(aux=aux)
+
+    def prefill(self, x_BTD: torch.Tensor, prompts: Prompts, cache: BlockCache) -> torch.Tensor:
+        """Every prompt token through the block; keys and values of real tokens cached."""
+        f, k, v = self.block.branch_with(
+            x_BTD, prompts.cos, prompts.sin, lambda q, k, v: _sdpa(q, k, v, None, causal=True)
+        )
+        B, T = prompts.valid_BT.shape
+        cache.prefill(k, v, prompts.pos_T.expand(B, T), prompts.lens, prompts.lens_B)
+        return x_BTD + f
+
+    def step(self, x_B1D: torch.Tensor, step: DecodeStep, cache: BlockCache) -> torch.Tensor:
+        return x_B1D + self.block.cached_branch(x_B1D, step, cache)
 
 
 class RoutedBlock(nn.Module):
@@ -197,6 +262,47 @@ class RoutedBlock(nn.Module):
             aux["causal_bce"] = routing.causal_bce_loss(d_BT, topk_BT)
         out = BlockOutput(aux, r_BT, topk_BT, causal_BT, processed)
         return x_BTD, out
+
+    def prefill(self, x_BTD: torch.Tensor, prompts: Prompts, cache: BlockCache) -> torch.Tensor:
+        """The routed prompt tokens only (causal decision, never padding), gathered per
+        sequence in causal order at their own positions; their keys and values cached."""
+        r_BT = self.router_logits(x_BTD)
+        sel_BT = routing.causal_decision(self.decision_logits(x_BTD, r_BT)) & prompts.valid_BT
+        counts_B = sel_BT.sum(1)
+        counts = counts_B.tolist()
+        kmax = max(counts)
+        if kmax == 0:
+            return x_BTD
+        # routed tokens first, each sequence's in causal order; then (padding) the rest
+        idx_BK = torch.sort((~sel_BT).to(torch.int32), dim=1, stable=True).indices[:, :kmax]
+        valid_BK = torch.arange(kmax, device=x_BTD.device).unsqueeze(0) < counts_B.unsqueeze(1)
+        mask = None
+        if min(counts) != kmax:  # padding queries see themselves; outputs zeroed below
+            mask = routing.routed_attention_mask(valid_BK).unsqueeze(1)
+        x_BKD = routing.gather_tokens(x_BTD, idx_BK)
+        cos, sin = prompts.rope(idx_BK)  # right padding: position = index
+        f_BKD, k, v = self.block.branch_with(
+            x_BKD, cos, sin, lambda q, k, v: _sdpa(q, k, v, mask, causal=True)
+        )
+        g_BK = self.gate(torch.gather(r_BT, 1, idx_BK)) * valid_BK
+        cache.prefill(k, v, idx_BK, counts, counts_B)
+        return routing.scatter_add_tokens(x_BTD, idx_BK, g_BK.unsqueeze(-1) * f_BKD)
+
+    def step(self, x_B1D: torch.Tensor, step: DecodeStep, cache: BlockCache) -> torch.Tensor:
+        """The new tokens whose causal decision routes them (one host sync to know
+        which); the block is skipped when none does, and runs on just those rows."""
+        r_B1 = self.router_logits(x_B1D)
+        sel = routing.causal_decision(self.decision_logits(x_B1D, r_B1)[:, 0]).tolist()
+        if all(sel):
+            f = self.block.cached_branch(x_B1D, step, cache)
+            return x_B1D + (self.gate(r_B1).unsqueeze(-1) * f).to(x_B1D.dtype)
+        if not any(sel):
+            return x_B1D
+        rows = [b for b, s in enumerate(sel) if s]
+        rows_R = torch.tensor(rows, dtype=torch.long, device=x_B1D.device)
+        f = self.block.cached_branch(x_B1D[rows_R], step, cache, rows, rows_R)
+        g_R11 = self.gate(r_B1[rows_R]).unsqueeze(-1)
+        return x_B1D.index_add(0, rows_R, (g_R11 * f).to(x_B1D.dtype))
 
     def masked_forward(
         self,

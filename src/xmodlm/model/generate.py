@@ -44,21 +44,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from xmodlm.errors import UserError
-from xmodlm.model import routing
-from xmodlm.model.blocks import Block, RoutedBlock
-from xmodlm.model.kv_cache import DEFAULT_SLACK, BlockCache, KVCache
+from xmodlm.model.blocks import DecodeStep, Prompts
+from xmodlm.model.kv_cache import DEFAULT_SLACK, KVCache
 from xmodlm.model.transformer import Transformer
-
-
-def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
-) -> torch.Tensor:
-    if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 class Decoder:
@@ -122,16 +112,10 @@ class Decoder:
         valid_BT = pos_T.unsqueeze(0) < lens_B.unsqueeze(1)
         ragged = min(lens) != T
         cos, sin = model.rope(pos_T)
+        prompts = Prompts(model.rope, pos_T, cos, sin, valid_BT, lens, lens_B)
         x = model.embed(idx_BT)
         for block, cache in zip(model.blocks, self.cache.blocks, strict=True):
-            if isinstance(block, RoutedBlock):
-                x = self._prefill_sparse(block, cache, x, valid_BT)
-            else:
-                f, k, v = block.block.branch_with(
-                    x, cos, sin, lambda q, k, v: _sdpa(q, k, v, None, causal=True)
-                )
-                x = x + f
-                cache.prefill(k, v, pos_T.expand(self.batch, T), lens, lens_B)
+            x = block.prefill(x, prompts, cache)
         self.seq_len.copy_(lens_B)
         self.seq_lens = lens
         if all_logits:
@@ -141,32 +125,6 @@ class Decoder:
         else:
             x_BD = x[:, -1]
         return model.head(model.norm(x_BD))
-
-    def _prefill_sparse(
-        self, block: RoutedBlock, cache: BlockCache, x: torch.Tensor, valid_BT: torch.Tensor
-    ) -> torch.Tensor:
-        r_BT = block.router_logits(x)
-        sel_BT = routing.causal_decision(block.decision_logits(x, r_BT)) & valid_BT
-        counts_B = sel_BT.sum(1)
-        counts = counts_B.tolist()
-        kmax = max(counts)
-        if kmax == 0:
-            return x
-        # routed tokens first, each sequence's in causal order; then (padding) the rest
-        idx_BK = torch.sort((~sel_BT).to(torch.int32), dim=1, stable=True).indices[:, :kmax]
-        valid_BK = torch.arange(kmax, device=x.device).unsqueeze(0) < counts_B.unsqueeze(1)
-        mask = None
-        if min(counts) != kmax:  # padding queries see themselves; outputs zeroed below
-            mask = routing.routed_attention_mask(valid_BK).unsqueeze(1)
-        x_BKD = routing.gather_tokens(x, idx_BK)
-        cos, sin = self.model.rope(idx_BK)  # right padding: position = index
-        f_BKD, k, v = block.block.branch_with(
-            x_BKD, cos, sin, lambda q, k, v: _sdpa(q, k, v, mask, causal=True)
-        )
-        g_BK = block.gate(torch.gather(r_BT, 1, idx_BK)) * valid_BK
-        x = routing.scatter_add_tokens(x, idx_BK, g_BK.unsqueeze(-1) * f_BKD)
-        cache.prefill(k, v, idx_BK, counts, counts_B)
-        return x
 
     # --- decode -----------------------------------------------------------------------
 
@@ -178,51 +136,13 @@ class Decoder:
         assert max(self.seq_lens) < self.cache.max_len, "decoder is full (max_len tokens fed)"
         pos_B = self.seq_len
         cos, sin = model.rope(pos_B.unsqueeze(1))
+        step = DecodeStep(pos_B, cos, sin)
         x = model.embed(tokens_B.to(self.device).unsqueeze(1))
         for block, cache in zip(model.blocks, self.cache.blocks, strict=True):
-            if isinstance(block, RoutedBlock):
-                r_B1 = block.router_logits(x)
-                sel = routing.causal_decision(block.decision_logits(x, r_B1)[:, 0]).tolist()
-                if all(sel):
-                    f = self._step_block(block.block, cache, x, cos, sin, pos_B)
-                    x = x + (block.gate(r_B1).unsqueeze(-1) * f).to(x.dtype)
-                elif any(sel):  # only the routed sequences go through
-                    rows = [b for b, s in enumerate(sel) if s]
-                    rows_R = torch.tensor(rows, dtype=torch.long, device=self.device)
-                    f = self._step_block(
-                        block.block,
-                        cache,
-                        x[rows_R],
-                        cos[rows_R],
-                        sin[rows_R],
-                        pos_B[rows_R],
-                        rows,
-                        rows_R,
-                    )
-                    g_R11 = block.gate(r_B1[rows_R]).unsqueeze(-1)
-                    x = x.index_add(0, rows_R, (g_R11 * f).to(x.dtype))
-            else:
-                x = x + self._step_block(block.block, cache, x, cos, sin, pos_B)
+            x = block.step(x, step, cache)
         self.seq_len += 1
         self.seq_lens = [n + 1 for n in self.seq_lens]
         return model.head(model.norm(x[:, 0]))
-
-    @staticmethod
-    def _step_block(
-        blk: Block,
-        cache: BlockCache,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        pos_B: torch.Tensor,
-        rows: list[int] | None = None,
-        rows_R: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            keys, values, mask = cache.step(k, v, pos_B, rows, rows_R)
-            return _sdpa(q, keys, values, mask, causal=False)
-
-        return blk.branch_with(x, cos, sin, attend)[0]
 
     @torch.inference_mode()
     def keep(self, rows: list[int]) -> None:
