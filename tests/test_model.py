@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -343,11 +345,34 @@ def test_solve_gamma_finds_the_root_of_a_curved_response() -> None:
 
 
 def test_residual_rms_diagnostic_variance_scaled_vs_sigmoid() -> None:
-    """Same weights: anchors identical, and the two gates end at different residual RMS."""
-    from xmodlm.diagnostics import compare_gates_at_init
+    """The init diagnostic against the FLOP-matched dense model (S = 8, c = 1/8): same
+    weights for every gate, so anchors agree up to the first sparse block; the
+    variance-scaled stack adds about the dense model's residual variance (the rule
+    targets dense at L_ae, a little deeper; one weight draw), while a gate left at
+    gamma = 2 overshoots it about twofold and the raw logit gate (r ~ 0) adds
+    far less."""
+    from xmodlm.diagnostics import added_variance, compare_gates_at_init
 
-    cfg = tiny_model_cfg(n_layers=8, stride=8, capacity=0.125)
-    rms = compare_gates_at_init(cfg)
-    assert len(rms["sigmoid"]) == len(rms["variance_scaled"]) == 8
+    dense = tiny_model_cfg(d_model=64, n_layers=4, context=64)
+    cfg, _ = flops.flop_match(dense, 8, 0.125, gating="variance_scaled", balance_coef=0.01)
+    rms = compare_gates_at_init(cfg, gatings=("sigmoid", "variance_scaled", "logit"))
+    assert len(rms["sigmoid"]) == len(rms["variance_scaled"]) == cfg.n_layers
     assert rms["sigmoid"][0] == pytest.approx(rms["variance_scaled"][0])  # block 0 is an anchor
-    assert rms["variance_scaled"][-1] != pytest.approx(rms["sigmoid"][-1], rel=1e-3)
+    assert rms["variance_scaled"][-1] != pytest.approx(rms["logit"][-1], rel=1e-3)
+    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.context),
+                           generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    v_dense = added_variance(Transformer(dense).eval(), tokens)
+
+    def ratio(gating: str, gamma: float | None = None) -> float:
+        torch.manual_seed(0)
+        model = Transformer(dataclasses.replace(cfg, gating=gating)).eval()
+        if gamma is not None:
+            for block in model.blocks:
+                if isinstance(block, RoutedBlock):
+                    block.gamma.data.fill_(gamma)
+        return added_variance(model, tokens) / v_dense
+
+    assert 0.8 < ratio("variance_scaled") < 1.25
+    assert ratio("variance_scaled", gamma=routing.NEUTRAL_GAMMA) > 1.6
+    assert ratio("logit") < 0.7
