@@ -296,3 +296,15 @@ def test_sweep_evaluates_final_checkpoints(tiny_data_dir: Path, tmp_path: Path) 
     bad = _spec(tmp_path, tiny_data_dir, families, eval={"tasks": ["trivia"]})
     with pytest.raises(UserError, match="unknown task 'trivia'"):
         load_spec(bad)
+
+
+def test_a_family_may_run_at_some_contexts_only(tiny_data_dir: Path, tmp_path: Path) -> None:
+    families = [{"family": "dense"}, {"family": "dense", "lr": [1e-3], "compute": {32: [2.0e9]}}]
+    spec = load_spec(_spec(tmp_path, tiny_data_dir, families, context=[32, 64],
+                           compute={32: [2.0e9], 64: [4.0e9]}))
+    got = [(r.cfg.model.context, r.cfg.train.lr) for r in expand(spec)]
+    default_lr = expand(spec)[0].cfg.train.lr
+    assert got == [(32, default_lr), (32, 1e-3), (64, default_lr)]
+    bad = _spec(tmp_path, tiny_data_dir, families, context=[32, 64], compute={32: [2.0e9]})
+    with pytest.raises(UserError, match="give each context its budgets"):
+        load_spec(bad)  # the spec's own budgets must cover every context

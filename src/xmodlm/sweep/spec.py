@@ -22,8 +22,9 @@ runs at different contexts take the same tokens per optimiser step.
 ``compute`` may instead map each context to its budgets
 (``compute: {128: [2e13, 6e13], 512: [3e13, 9e13]}``): a longer context costs more
 FLOPs per token, so the same step count needs a larger C. A family entry may
-narrow the grid for itself with its own ``seeds`` and ``compute`` (same forms):
-the headline families at three seeds, the exploratory ones at one.
+narrow the grid for itself with its own ``seeds`` and ``compute`` (same forms; a
+mapping may name only some contexts, and the family runs at those only): the
+headline families at three seeds, the exploratory ones at one.
 
 ``eval`` (optional, ``{tasks: [cloze, minimal_pairs], split: test, max_items: 200}``)
 evaluates each run's final checkpoint right after it trains (``xmod eval``, causal
@@ -189,8 +190,11 @@ def _seeds(value: Any, where: str) -> list[int]:
     return [_integer(v, where, 0) for v in _listed(value)]
 
 
-def _budgets(value: Any, where: str, contexts: list[int] | None) -> list[float] | dict[int, list[float]]:
-    """Compute budgets: a list, or a mapping context -> list covering every context."""
+def _budgets(
+    value: Any, where: str, contexts: list[int] | None, partial: bool = False
+) -> list[float] | dict[int, list[float]]:
+    """Compute budgets: a list, or a mapping context -> list covering every context
+    (``partial``, for a family: some of them; the family runs at those only)."""
     def checked(items: Any, label: str) -> list[float]:
         budgets = [_number(c, label) for c in _listed(items)]
         if not budgets or any(c <= 0 for c in budgets):
@@ -202,7 +206,7 @@ def _budgets(value: Any, where: str, contexts: list[int] | None) -> list[float] 
     if contexts is None:
         raise UserError(f"sweep spec: {where} maps contexts to budgets, so context must be given")
     by_context = {_integer(t, f"{where} key", 1): checked(v, f"{where}.{t}") for t, v in value.items()}
-    if set(by_context) != set(contexts):
+    if set(by_context) - set(contexts) or (not partial and set(by_context) != set(contexts)):
         raise UserError(
             f"sweep spec: {where} gives budgets for contexts {sorted(by_context)};"
             f" context is {sorted(contexts)}: give each context its budgets"
@@ -289,7 +293,7 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
                 fam[key] = _seeds(value, where)
                 continue
             if key == "compute":
-                fam[key] = _budgets(value, where, out.get("context"))
+                fam[key] = _budgets(value, where, out.get("context"), partial=True)
                 continue
             values = _listed(value)
             if key in _INT_KEYS:
@@ -398,7 +402,7 @@ def _for_context(
     budgets: list[float] | dict[int, list[float]], context: int | None
 ) -> list[float]:
     """The budgets (tiers) at ``context``, from a plain list or a per-context mapping."""
-    return budgets[int(context)] if isinstance(budgets, dict) else budgets
+    return budgets.get(int(context), []) if isinstance(budgets, dict) else budgets
 
 
 def check_requirements(
