@@ -376,3 +376,18 @@ def test_residual_rms_diagnostic_variance_scaled_vs_sigmoid() -> None:
     assert 0.8 < ratio("variance_scaled") < 1.25
     assert ratio("variance_scaled", gamma=routing.NEUTRAL_GAMMA) > 1.6
     assert ratio("logit") < 0.7
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"n_layers": 8, "stride": 4, "capacity": 0.25, "causal_router": "predictor"},
+])
+def test_whole_model_traces_to_one_graph(changes: dict) -> None:
+    """Dense and X-MoD training steps trace to one graph with no breaks (k is static),
+    so whole-model ``torch.compile`` on a GPU compiles the routed blocks too."""
+    torch._dynamo.reset()
+    cfg = tiny_model_cfg(**changes)
+    model = Transformer(cfg)
+    x = _tokens(cfg)
+    explained = torch._dynamo.explain(lambda a, b: model(a, b).total_loss)(x, x)
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+    assert explained.graph_count == 1
