@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
+import torch
 
+from conftest import tiny_model_cfg
 from xmodlm.cli import main
+from xmodlm.config import load_config
+from xmodlm.report.dynamics import SPIKE_THRESHOLD, count_spikes, grad_norm_peaks, run_dynamics
 from xmodlm.report.sweep_report import match_to_dense, sweep_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,3 +138,129 @@ def sweep_report_table(df: pd.DataFrame, tmp_path: Path) -> dict:
     path = tmp_path / "results.csv"
     df.to_csv(path, index=False)
     return sweep_report(path, tmp_path / "out")
+
+
+# training dynamics ---------------------------------------------------------------
+
+
+def _train(step: int, loss: float, grad_norm: float = 0.5) -> dict:
+    return {"step": step, "loss": loss, "grad_norm": grad_norm}
+
+
+def _smooth(n: int = 120, every: int = 10) -> list[dict]:
+    """A loss falling from 5 toward 4 with +-0.05 wiggle: no spike anywhere."""
+    return [_train(every * i, 4 + 0.995**i + 0.05 * (-1) ** i) for i in range(1, n + 1)]
+
+
+def test_spikes_are_counted_after_warmup_only() -> None:
+    rows = _smooth()
+    assert count_spikes(rows, warmup=100) == 0
+    spiked = [dict(r) for r in rows]
+    spiked[60]["loss"] += 1.0  # step 610
+    spiked[80]["loss"] = float("nan")  # a skipped step: always a spike
+    assert count_spikes(spiked, warmup=100) == 2
+    early = [dict(r) for r in rows]
+    early[5]["loss"] += 3.0  # step 60: inside warmup
+    assert count_spikes(early, warmup=100) == 0
+    assert count_spikes(early, warmup=0) == 1
+    # the reference is the median of the window before, not the previous value
+    plateau = [_train(10 * i, 4.0) for i in range(1, 80)]
+    plateau[40]["loss"] = 4.0 + SPIKE_THRESHOLD - 0.01  # just under: not a spike
+    assert count_spikes(plateau, warmup=100) == 0
+    plateau[40]["loss"] = 9.0  # one outlier does not lift the median for the next step
+    plateau[41]["loss"] = 4.0 + SPIKE_THRESHOLD + 0.01
+    assert count_spikes(plateau, warmup=100) == 2
+
+
+def test_grad_norm_peaks_leave_out_warmup_and_non_finite() -> None:
+    rows = [_train(10 * i, 5.0, grad_norm=0.1 * i) for i in range(1, 101)]  # 0.1 .. 10
+    rows[2]["grad_norm"] = 99.0  # step 30, warmup
+    rows[50]["grad_norm"] = float("inf")
+    top, p99 = grad_norm_peaks(rows, warmup=100)
+    assert top == pytest.approx(10.0)
+    finite = [0.1 * i for i in range(11, 101) if i != 51]
+    assert p99 == pytest.approx(float(np.percentile(finite, 99)))
+    assert grad_norm_peaks(rows[:5], warmup=100) == (None, None)
+
+
+def _write_run(root: Path, run_id: str, rows: list[dict], end: dict) -> None:
+    run = root / "runs" / run_id
+    run.mkdir(parents=True)
+    lines = [json.dumps(r) for r in [*rows, {"step": rows[-1]["step"], "kind": "eval", **end}]]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_dynamics_mean_and_se_over_seeds_per_configuration(tmp_path: Path) -> None:
+    """Three X-MoD seeds with 0, 1 and 2 spikes (mean 1, SE 1/sqrt 3), coverage means
+    0.4, 0.5, 0.6; a dense reference; one run without metrics.jsonl, skipped."""
+    x = {"stride": 4, "capacity": 0.125, "gating": "sigmoid", "balance_coef": 0.0}
+    table, rows = [], _smooth()
+    for seed, spikes in enumerate([0, 1, 2]):
+        mine = [dict(r) for r in rows]
+        for k in range(spikes):
+            mine[40 + 30 * k]["loss"] += 1.0
+        cover = 0.4 + 0.1 * seed
+        end = {"residual_rms": [1.0, 2.0 + seed], "coverage": [cover - 0.05, cover + 0.05],
+               "depth_hist": [0.5, 0.5], "jaccard": [0.1 * seed]}
+        _write_run(tmp_path, f"x{seed}", mine, end)
+        _write_run(tmp_path, f"d{seed}", rows, {"residual_rms": [1.0, 1.5]})
+        table += [
+            _row("xmod", 64, 1e12, 5.0, seed=seed, run_id=f"x{seed}", warmup_steps=100, **x),
+            _row("dense", 64, 1e12, 5.0, seed=seed, run_id=f"d{seed}", warmup_steps=100),
+        ]
+    table.append(_row("xmod", 64, 1e12, 5.0, seed=3, run_id="gone", **{**x, "stride": 8}))
+    rep = sweep_report_table(pd.DataFrame(table), tmp_path)
+    dyn = rep["dynamics"]
+    assert dyn["runs"] == 6 and dyn["skipped_no_metrics"] == 1
+    cfg = {c["config"]: c for c in dyn["configs"]}
+    assert set(cfg) == {"dense", "xmod S=4 c=0.125 sigmoid bal=0"}
+    xm = cfg["xmod S=4 c=0.125 sigmoid bal=0"]
+    assert xm["n"] == 3 and xm["seeds"] == [0, 1, 2]
+    assert xm["spikes"]["mean"] == pytest.approx(1.0)
+    assert xm["spikes"]["se"] == pytest.approx(1 / 3**0.5)
+    assert xm["coverage_mean"]["mean"] == pytest.approx(0.5)
+    assert xm["coverage_mean"]["se"] == pytest.approx(0.1 / 3**0.5)
+    assert xm["residual_rms_end"]["mean"] == pytest.approx([1.0, 3.0])
+    assert xm["sparse_depth_sd"]["mean"] == pytest.approx(0.5)
+    assert xm["residual_rms_init"] is None  # no config.yaml: nothing to rebuild
+    assert cfg["dense"]["spikes"]["mean"] == 0 and cfg["dense"]["coverage"] is None
+    assert (tmp_path / "out" / dyn["plot"]).is_file()
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Training dynamics" in md and "(1 without one skipped)" in md
+    assert "| xmod S=4 c=0.125 sigmoid bal=0 | 3 | 1.00 +- 0.58 |" in md
+
+
+def test_residual_rms_at_init_is_the_run_model_rebuilt(tmp_path: Path, tiny_data_dir: Path) -> None:
+    """The init figure equals diagnostics.residual_rms of the model built from the
+    run's config.yaml with the trainer's seeding, on the run's validation windows;
+    another seed gives other weights and another figure."""
+    from xmodlm.config import Config
+    from xmodlm.data.batches import load_split, val_batches
+    from xmodlm.diagnostics import residual_rms
+    from xmodlm.model import Transformer
+
+    model = tiny_model_cfg(vocab_size=300, stride=2, capacity=0.25, gating="variance_scaled")
+    cfg = Config(model=model)
+    cfg.data.dir = str(tiny_data_dir)
+    cfg.train.seed = 3
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    (run / "metrics.jsonl").write_text(json.dumps(_train(10, 5.0)) + "\n")
+    got = run_dynamics(run)
+    assert got is not None and got["init_tokens"].startswith("validation data")
+    cfg = load_config(run / "config.yaml")
+    tokens = val_batches(load_split(tiny_data_dir, "val"), cfg.data.val_batches,
+                         cfg.train.batch_size, cfg.model.context)[0][0][:4]
+    torch.manual_seed(cfg.train.seed)
+    want = residual_rms(Transformer(cfg.model).eval(), tokens)
+    assert got["residual_rms_init"] == pytest.approx(want, rel=1e-6)
+    torch.manual_seed(cfg.train.seed + 1)
+    other = residual_rms(Transformer(cfg.model).eval(), tokens)
+    assert other != pytest.approx(want, rel=1e-6)
+    # without the data directory: fixed random tokens, and the source says so
+    cfg.data.dir = str(tmp_path / "nowhere")
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    again = run_dynamics(run)
+    assert again is not None and again["init_tokens"].startswith("random tokens")
+    assert again["residual_rms_init"] == run_dynamics(run)["residual_rms_init"]

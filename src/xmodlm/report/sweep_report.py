@@ -21,7 +21,13 @@ the questions a reader asks first, in this order:
    edge of the tested range means the compute-optimal size was not bracketed and
    a dense law fitted on it is an extrapolation.
 4. Routing at inference: the causal-minus-top-k loss gap of routed runs.
-5. Optionally, the law: selected delta form, its parameters with 95% intervals,
+5. Training dynamics, where the run records sit beside the table (``runs/RUN_ID/``
+   of the sweep directory): per configuration (as in 2, dense included, and the
+   depth), mean +- SE over seeds of loss spikes, gradient-norm peaks, residual
+   RMS per block at init and at the end, and the routing at the end
+   (:mod:`xmodlm.report.dynamics`); ``residual_rms.png`` draws the residual RMS.
+   A run without ``metrics.jsonl`` is skipped and counted.
+6. Optionally, the law: selected delta form, its parameters with 95% intervals,
    held-out metrics, and the law's plots.
 
 Outputs ``report.md``, ``comparisons.csv`` (one row per matched non-dense run)
@@ -56,6 +62,16 @@ def _config_label(key: tuple[Any, ...]) -> str:
     if family == "moe":
         return "moe"
     return f"{family} S={stride} c={capacity:g} {gating} bal={balance:g}"
+
+
+def _run_label(row: dict[str, Any]) -> str:
+    """The configuration of a run (or of a group of seeds) as the report names it:
+    mechanism settings, anchors when only the first block of the stack is dense,
+    and the peak learning rate where the sweep records it."""
+    base = "dense" if row["family"] == "dense" else _config_label(
+        tuple(row[k] for k in CONFIG_KEYS))
+    return (base + (" anchors=first" if _first_anchor_only(row) else "")
+            + (f" lr={row['lr']:g}" if np.isfinite(row["lr"]) else ""))
 
 
 def _load(raw: pd.DataFrame, path: str | Path) -> tuple[pd.DataFrame, int]:
@@ -181,9 +197,7 @@ def paired(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
         ci = [mean - half, mean + half] if half is not None else None
         row = dict(zip(keys, key, strict=True))
         out.append({
-            "config": _config_label(tuple(row[k] for k in CONFIG_KEYS))
-            + (" anchors=first" if _first_anchor_only(row) else "")
-            + (f" lr={row['lr']:g}" if np.isfinite(row["lr"]) else ""),
+            "config": _run_label(row),
             "tier": float(row["tier"]), "context": int(row["context"]), "width": int(row["width"]),
             "n": n, "seeds": sorted(int(x) for x in g["seed"]), "mean": mean, "se": se,
             "ci95": ci, "resolved": bool(ci is not None and (ci[0] > 0 or ci[1] < 0)),
@@ -263,11 +277,67 @@ def _law_section(fit: LawFit, fit_path: str | Path) -> dict[str, Any]:
     return section
 
 
+def dynamics(df: pd.DataFrame, results: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """The training-dynamics section: each finished run's record read from the
+    sweep directory of ``results`` (``runs/RUN_ID/``, or ``RUN_ID/`` beside the
+    table), grouped as the paired comparison groups (plus the depth, since per-block
+    figures only average over one), dense included as the reference; and
+    ``residual_rms.png`` in ``out_dir``. Runs without a record are counted."""
+    from xmodlm.report.dynamics import (
+        SPIKE_THRESHOLD,
+        SPIKE_WINDOW,
+        plot_residual_rms,
+        run_dynamics,
+        summarise,
+    )
+
+    root = Path(results).parent
+    runs_root = root / "runs" if (root / "runs").is_dir() else root
+    keys = [*PAIR_KEYS, "n_layers"] if "n_layers" in df.columns else list(PAIR_KEYS)
+    cache: dict[Any, Any] = {}
+    found, skipped = [], 0
+    for i, run in df.iterrows():
+        run_id = run.get("run_id")
+        dyn = None
+        if isinstance(run_id, str) and run_id.strip():
+            warmup = pd.to_numeric(run.get("warmup_steps"), errors="coerce")
+            dyn = run_dynamics(runs_root / run_id.strip(),
+                               warmup=int(warmup) if np.isfinite(warmup) else None, cache=cache)
+        if dyn is None:
+            skipped += 1
+        else:
+            found.append((i, {**dyn, "run_id": run_id.strip()}))
+    section: dict[str, Any] = {
+        "spike_threshold": SPIKE_THRESHOLD, "spike_window": SPIKE_WINDOW,
+        "runs": len(found), "skipped_no_metrics": skipped, "configs": [], "plot": None,
+    }
+    if not found:
+        return section
+    by_row = dict(found)
+    runs = df.loc[list(by_row)]
+    for key, g in runs.groupby(keys, dropna=False, sort=True):
+        row = dict(zip(keys, key, strict=True))
+        depth = f" L={int(row['n_layers'])}" if pd.notna(row.get("n_layers")) else ""
+        dyns = [by_row[i] for i in g.index]
+        section["configs"].append({
+            "config": _run_label(row) + depth,
+            "tier": float(row["tier"]), "context": int(row["context"]),
+            "width": int(row["width"]), "n": len(dyns),
+            "seeds": sorted(int(x) for x in g["seed"]),
+            "run_ids": [d["run_id"] for d in dyns],
+            **summarise(dyns),
+        })
+    plot = plot_residual_rms([{"label": c["config"], **c} for c in section["configs"]],
+                             Path(out_dir) / "residual_rms.png")
+    section["plot"] = plot.name if plot is not None else None
+    return section
+
+
 def sweep_report(
     results: str | Path, out_dir: str | Path, law: str | Path | None = None
 ) -> dict[str, Any]:
     """Write ``report.md``, ``comparisons.csv`` and ``report.json`` for ``results``; return the JSON."""
-    bar = Progress(3 + (law is not None), "report", unit="stage")
+    bar = Progress(4 + (law is not None), "report", unit="stage")
     raw = read_table(results)
     df, left_out = _load(raw, results)
     comparisons, unmatched = match_to_dense(df)
@@ -292,6 +362,7 @@ def sweep_report(
         "learning_rates": learning_rates(df),
         "dense_ladder": _dense_ladder(df),
         "causal_gap": None,
+        "dynamics": None,
         "law": None,
     }
     if not comparisons.empty:
@@ -320,6 +391,8 @@ def sweep_report(
     bar.update(1, done="comparisons summarised")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    report["dynamics"] = dynamics(df, results, out)
+    bar.update(1, done="training dynamics read from the run records")
     if law is not None:
         from xmodlm.law.fit import load_fit
         from xmodlm.report.law_plots import plot_law
@@ -442,6 +515,7 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
             f"Causal minus top-k validation loss over {gap['n']} routed runs: median"
             f" {_fmt(gap['median'])} (range {_fmt(gap['min'])} to {_fmt(gap['max'])}).",
         ]
+    lines += _dynamics_markdown(report.get("dynamics"))
     law = report["law"]
     if law:
         lines += ["", "## Law", "", f"Fit `{law['path']}` ({law['runs']['n']} runs)."]
@@ -465,3 +539,60 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
         for p in law.get("plots", []):
             lines += ["", f"![{Path(p).stem}]({p})"]
     return "\n".join(lines) + "\n"
+
+
+def _pm(stat: dict[str, Any] | None, fmt: str, index: int | None = None) -> str:
+    """``mean +- SE`` of a :func:`~xmodlm.report.dynamics.mean_se` summary (an element
+    of a per-block one with ``index``); the mean alone from one seed, ``-`` without.
+    ``fmt`` is a format spec, or ``sig3`` for figures whose scale varies by orders
+    of magnitude (the residual RMS: 0.02 at init, up to 70 trained)."""
+    if stat is None:
+        return "-"
+    mean, se = stat["mean"], stat["se"]
+    if index is not None:
+        mean, se = mean[index], (se[index] if se is not None else None)
+    if fmt == "sig3":  # three significant digits in the mean, the error to the same place
+        places = max(0, 2 - int(np.floor(np.log10(abs(mean))))) if mean else 3
+        fmt = f".{places}f"
+    return f"{mean:{fmt}}" + (f" +- {se:{fmt}}" if se is not None else "")
+
+
+def _dynamics_markdown(dyn: dict[str, Any] | None) -> list[str]:
+    """The training-dynamics section of ``report.md`` (nothing when it was not computed)."""
+    if dyn is None:
+        return []
+    lines = ["", "## Training dynamics", ""]
+    if not dyn["configs"]:
+        return lines + [f"No run records with metrics.jsonl beside the table"
+                        f" ({dyn['skipped_no_metrics']} runs skipped)."]
+    sources = sorted({s for c in dyn["configs"] for s in c["init_tokens"]})
+    lines += [
+        f"From the metrics.jsonl of {dyn['runs']} runs"
+        + (f" ({dyn['skipped_no_metrics']} without one skipped)" if dyn["skipped_no_metrics"]
+           else "")
+        + "; mean +- standard error over seeds. Spikes: logged training steps after warmup"
+        f" whose loss exceeds the median of the {dyn['spike_window']} logged losses before it"
+        f" by more than {dyn['spike_threshold']:g} nats. Gradient norm (before clipping):"
+        " largest and 99th percentile of the logged steps after warmup. Residual RMS of the"
+        " last block at init (the run's model rebuilt from its config with its seed, on"
+        f" {'; '.join(sources) or 'no config'}) and at the last evaluation; every block in"
+        " `residual_rms.png`. Routing at the last evaluation: coverage and Jaccard overlap"
+        " averaged over windows and consecutive sparse blocks; depth sd: the standard deviation"
+        " of the number of sparse blocks a token passes through (its mean is fixed by the"
+        " capacity).",
+        "",
+        "| C | T | width | configuration | seeds | spikes | max grad norm | p99 grad norm |"
+        " last-block RMS init | last-block RMS end | coverage | depth sd | Jaccard |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in dyn["configs"]:
+        lines.append(
+            f"| {c['tier']:.2g} | {c['context']} | {c['width']} | {c['config']} | {c['n']} |"
+            f" {_pm(c['spikes'], '.2f')} | {_pm(c['grad_norm_max'], '.3f')} |"
+            f" {_pm(c['grad_norm_p99'], '.3f')} | {_pm(c['residual_rms_init'], 'sig3', -1)} |"
+            f" {_pm(c['residual_rms_end'], 'sig3', -1)} | {_pm(c['coverage_mean'], '.3f')} |"
+            f" {_pm(c['sparse_depth_sd'], '.3f')} | {_pm(c['jaccard_mean'], '.3f')} |"
+        )
+    if dyn["plot"]:
+        lines += ["", f"![residual RMS per block]({dyn['plot']})"]
+    return lines
