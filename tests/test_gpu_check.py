@@ -25,7 +25,7 @@ def test_gpu_check_toy_end_to_end(tiny_data_dir: Path, tmp_path: Path) -> None:
     gpu_check = _module()
     out = tmp_path / "out"
     assert gpu_check.main(["--out", str(out), "--toy", "--data", str(tiny_data_dir),
-                           "--budget-s", "600", "--stages", "smoke,train,study"]) == 0
+                           "--budget-s", "3600", "--stages", "smoke,train,study"]) == 0
     summary = json.loads((out / "gpu_check.json").read_text())
     smoke = summary["stages"]["smoke"]["families"]
     assert set(smoke) == {"dense", "xmod_s4", "xmod_s8", "mod", "moe"}
