@@ -71,6 +71,16 @@ def test_evaluate_run(tiny_run: Path, tmp_path: Path) -> None:
     for task in res["tasks"].values():
         assert 0 <= task["accuracy"] <= 1 and 0 < task["items"] <= 12
     json.dumps(res)  # JSON-able for `xmod eval --json`
+    # KV bytes per token: dense blocks cache every token, sparse ones their routed share
+    from xmodlm.train.checkpoint import load_run
+
+    cfg = load_run(tiny_run)[0].model
+    token_bytes = 2 * cfg.d_model * 4  # key and value, fp32
+    n_dense = cfg.block_layout.count("D")
+    routed = sum(res["capacity_causal"]) / len(res["capacity_causal"])
+    assert res["kv_bytes_per_token"] >= n_dense * token_bytes
+    assert res["kv_fraction"] == pytest.approx(res["kv_bytes_per_token"] / (token_bytes * cfg.n_layers))
+    assert res["kv_fraction"] < 1 or routed == 1
     saved = (items / "cloze.jsonl").read_text()
     assert (items / "minimal_pairs.jsonl").is_file()
     again = evaluate_run(tiny_run, max_batches=1, max_items=12, items_dir=items, tasks=["cloze"])

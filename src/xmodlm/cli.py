@@ -503,6 +503,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"{result['split']} loss top-k {result['val_loss_topk']:.4f}"
               f"  causal {result['val_loss_causal']:.4f}"
               f"  bpb {result['val_bpb']:.4f}  agreement {result['routing_agreement']}")
+        print(f"KV cache {result['kv_bytes_per_token']:.0f} bytes per token of context"
+              f" ({result['kv_fraction']:.3f} of every block caching every token)")
         for name, task in result["tasks"].items():
             lo, hi = task["ci95"]
             print(f"{name}: {task['accuracy']:.3f} [95% {lo:.3f}-{hi:.3f}] on {task['items']}"

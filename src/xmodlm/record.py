@@ -25,9 +25,10 @@ EXTRA_COLUMNS = (
     "steps", "batch_tokens", "lr", "warmup_steps", "epochs", "layout", "commit", "error",
 )
 # From ``eval.json``, where the sweep evaluated the final checkpoint (spec ``eval``):
-# the held-out loss on the evaluation split under both routings, and one
+# the held-out loss on the evaluation split under both routings, the KV-cache
+# bytes per token of context under causal routing, and one
 # ``task_<name>`` accuracy column per downstream task (added as they appear).
-EVAL_COLUMNS = ("eval_split", "eval_loss_topk", "eval_loss_causal")
+EVAL_COLUMNS = ("eval_split", "eval_loss_topk", "eval_loss_causal", "kv_bytes_per_token")
 EVAL_FILE = "eval.json"  # in a run directory: ``xmod eval --json`` of its final checkpoint
 COLUMNS = RUN_COLUMNS + EXTRA_COLUMNS + EVAL_COLUMNS
 
@@ -38,6 +39,7 @@ def eval_columns(result: dict[str, Any]) -> dict[str, Any]:
         "eval_split": result.get("split"),
         "eval_loss_topk": result.get("val_loss_topk"),
         "eval_loss_causal": result.get("val_loss_causal"),
+        "kv_bytes_per_token": result.get("kv_bytes_per_token"),
     }
     for name, task in (result.get("tasks") or {}).items():
         row[f"task_{name}"] = task.get("accuracy")

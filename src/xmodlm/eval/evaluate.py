@@ -45,8 +45,10 @@ def evaluate_run(
     (the losses on ``split`` whatever it is; for a split other than ``val`` also under
     its own name: ``test_loss_topk``, ``test_loss_causal``, ``test_bpb``, ``test_bpb_causal``),
     ``routing_agreement`` (None without sparse blocks), ``capacity_causal`` (one
-    fraction per sparse block; empty without), ``tasks`` = {name: {accuracy, items,
-    chance}} and bookkeeping (``checkpoint``, ``step``, ``split``, ``eval_tokens``).
+    fraction per sparse block; empty without), ``kv_bytes_per_token`` and
+    ``kv_fraction`` (:func:`kv_cache_per_token`, on the first batch of windows),
+    ``tasks`` = {name: {accuracy, items, chance}} and bookkeeping (``checkpoint``,
+    ``step``, ``split``, ``eval_tokens``).
     """
     names = task_mod.check_tasks(tasks)
     if max_batches < 1:
@@ -94,6 +96,7 @@ def evaluate_run(
     for key in ("coverage", "depth_hist", "jaccard"):
         if key in ev:
             result[key] = ev[key]
+    result.update(kv_cache_per_token(model, batches[0][0].to(device)))
     result["tasks"] = {}
     if names:
         tok_file = _tokenizer_file(run_dir, data_dir)
@@ -104,6 +107,26 @@ def evaluate_run(
             result["tasks"][name] = task_mod.score_task(name, items, model, tok, device)
     result["wall_s"] = time.perf_counter() - t0
     return result
+
+
+@torch.no_grad()
+def kv_cache_per_token(model: torch.nn.Module, tokens_BT: torch.Tensor) -> dict[str, Any]:
+    """KV-cache bytes per token after prefilling real text under causal routing.
+
+    What decoding keeps in memory per token of context: dense blocks cache every
+    token, a sparse block only those its causal decision routes. Deterministic
+    (no timing), so it is a fair per-run figure wherever the run is evaluated:
+    ``kv_bytes_per_token`` over the windows ``tokens_BT`` (the cache's dtype),
+    and ``kv_fraction``, that over the bytes if every block cached every token.
+    """
+    from xmodlm.model.generate import Decoder
+
+    B, T = tokens_BT.shape
+    decoder = Decoder(model, B, T, sparse_alloc="worst_case")
+    decoder.prefill(tokens_BT.tolist())
+    per_block = decoder.cache.blocks[0].token_bytes()  # the same for every block
+    used = decoder.cache.bytes_used() / (B * T)
+    return {"kv_bytes_per_token": used, "kv_fraction": used / (per_block * len(model.blocks))}
 
 
 def _tokenizer_file(run_dir: str | Path, data_dir: Path) -> Path:
