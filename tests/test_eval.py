@@ -158,3 +158,26 @@ def test_show_routing_and_training_plots(tiny_run: Path, tmp_path: Path) -> None
     assert all(0 <= d <= info["n_sparse"] for d in info["depth"])
     paths = plot_training(tiny_run, tmp_path / "plots")
     assert paths and all(Path(p).stat().st_size > 1000 for p in paths)
+
+
+def test_decode_runs_side_by_side(tiny_run: Path, tiny_data_dir: Path, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """xmod bench --decode-runs: trained runs decode real test prompts in turns; KV bytes
+    are what each model cached (a dense run caches every token in every block)."""
+    from xmodlm.cli import main
+
+    dense = tmp_path / "dense"
+    train(small_cfg(tiny_data_dir, "train.max_steps=4", "model.stride=1", "model.capacity=1.0"),
+          dense, progress=False)
+    assert main(["bench", "--decode-runs", f"{dense},{tiny_run}", "--reps", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    d, x = out["runs"][str(dense)], out["runs"][str(tiny_run)]
+    assert d["family"] == "dense" and x["family"] == "xmod" and out["rounds"] == 2
+    half = 16  # context 32
+    assert d["prompt_len"] == x["prompt_len"] == half
+    assert d["kv_bytes_used"] == 4 * 2 * half * 2 * 32 * 4  # blocks x tokens x (k, v) x width x fp32
+    assert x["kv_bytes_used"] < d["kv_bytes_used"] or x["routed_fraction"] == 1
+    assert x["kv_bytes_vs_first"] == pytest.approx(x["kv_bytes_used"] / d["kv_bytes_used"])
+    assert d["tokens_per_s"] > 0 and d["tokens_per_s_vs_first"] == 1.0
+    assert main(["bench", "--decode-runs", str(dense)]) == 2
+    assert main(["bench", "--decode-runs", f"{dense},{tmp_path / 'none'}"]) == 2

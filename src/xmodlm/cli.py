@@ -595,6 +595,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.reps is not None and args.reps < 1:
         raise UserError(f"--reps {args.reps}: must be >= 1 (timed rounds)")
+    if args.decode_runs:
+        from xmodlm.bench.decode import decode_runs
+
+        runs = [r for r in args.decode_runs.split(",") if r]
+        for run in runs:
+            if not Path(run).is_dir():
+                raise UserError(f"--decode-runs: {run!r} is not a run directory")
+        _print_json(decode_runs(runs, rounds=args.reps or 5, device=_check_device(args.device)))
+        return 0
     result = run_bench(
         device=args.device, quick=args.quick, reps=args.reps, include_law=not args.no_law,
         include_decode=not args.no_decode, include_compile=False if args.no_compile else None,
@@ -828,6 +837,9 @@ def build_parser() -> argparse.ArgumentParser:
                    " (default: the current torch thread count)")
     p.add_argument("--reps", type=int, default=None, help="timed rounds (default per size)")
     p.add_argument("--no-compile", action="store_true", help="time eager models only")
+    p.add_argument("--decode-runs", default=None, metavar="RUN,RUN,...",
+                   help="instead: decode speed and KV bytes of trained runs side by side"
+                   " (real test prompts, causal routing; first run is the reference)")
     p.add_argument("--no-law", action="store_true", help="skip the law-fit timing")
     p.add_argument("--no-decode", action="store_true", help="skip the decode timing")
     p.add_argument("--json", action="store_true")

@@ -101,8 +101,10 @@ def decode_benchmark(
     temperature: float = 1.0,
     seed: int = 0,
     sparse_alloc: str = "expected",
+    prompts: list[list[int]] | None = None,
 ) -> dict[str, Any]:
-    """Decode speed and KV memory of ``model`` on random prompts.
+    """Decode speed and KV memory of ``model`` on random prompts (or ``prompts``,
+    ``batch`` lists of ``prompt_len`` token ids: real text for a trained model).
 
     Prefills ``batch`` random prompts of ``prompt_len`` tokens, then times
     ``new_tokens`` decode steps (each feeds one token per sequence and samples
@@ -127,7 +129,10 @@ def decode_benchmark(
         )
     device = model.embed.weight.device
     gen = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
+    if prompts is None:
+        prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
+    elif len(prompts) != batch or any(len(p) != prompt_len for p in prompts):
+        raise UserError(f"decode benchmark: prompts must be {batch} lists of {prompt_len} tokens")
 
     def run(steps: int) -> tuple[float, float, Decoder]:
         sgen = torch.Generator(device=device).manual_seed(seed)
@@ -197,4 +202,57 @@ def decode(dense: Transformer, xmod: Transformer, quick: bool) -> dict[str, Any]
     )
     dense.train(was[0])
     xmod.train(was[1])
+    return out
+
+
+def decode_runs(
+    run_dirs: list[str], rounds: int = 5, device: str = "cpu"
+) -> dict[str, Any]:
+    """Decode speed and KV-cache bytes of trained runs, side by side.
+
+    Each run's newest checkpoint decodes the same real prompt, the first window
+    of its test split cut at half the context, for as many new tokens (batch 1,
+    sampling at temperature 1 with one seed), under causal routing as trained.
+    The runs take turns, ``rounds`` times, order reversed every other round, so
+    a machine's drift hits all alike; each figure is a median, and every run's
+    tokens/s is also given relative to the first run's, per round (paired).
+    Meant for the best X-MoD run of a study and its FLOP-matched dense run.
+    """
+    from xmodlm.data.batches import load_split
+    from xmodlm.train.checkpoint import load_run
+
+    if len(run_dirs) < 2:
+        raise UserError("--decode-runs: give at least two run directories, comma-separated")
+    models, prompts = {}, {}
+    for run in run_dirs:
+        cfg, model, _ = load_run(run, device=device)
+        model.eval()
+        half = cfg.model.context // 2
+        window = load_split(cfg.data.dir, "test").tokens[:half]
+        models[run], prompts[run] = model, [[int(t) for t in window]]
+    figures: dict[str, list[dict[str, Any]]] = {run: [] for run in run_dirs}
+    for r in range(rounds):
+        for run in run_dirs if r % 2 == 0 else run_dirs[::-1]:
+            half = len(prompts[run][0])
+            figures[run].append(decode_benchmark(
+                models[run], batch=1, prompt_len=half, new_tokens=half, repeats=1,
+                prompts=prompts[run],
+            ))
+    first = run_dirs[0]
+    out: dict[str, Any] = {"rounds": rounds, "threads": torch.get_num_threads(), "runs": {}}
+    for run in run_dirs:
+        res = figures[run]
+        out["runs"][run] = {
+            "family": models[run].cfg.family,
+            "layout": models[run].layout,
+            "prompt_len": res[0]["prompt_len"],
+            "tokens_per_s": statistics.median(x["tokens_per_s"] for x in res),
+            "prefill_tokens_per_s": statistics.median(x["prefill_tokens_per_s"] for x in res),
+            "kv_bytes_used": res[-1]["kv_bytes_used"],
+            "routed_fraction": res[-1]["routed_fraction"],
+            "tokens_per_s_vs_first": statistics.median(
+                a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(res, figures[first], strict=True)
+            ),
+            "kv_bytes_vs_first": res[-1]["kv_bytes_used"] / max(1, figures[first][-1]["kv_bytes_used"]),
+        }
     return out
