@@ -182,12 +182,12 @@ def _integer(value: Any, where: str, least: int) -> int:
     return int(number)
 
 
-def _listed(value: Any) -> list[Any]:
+def _as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
 
 
 def _seeds(value: Any, where: str) -> list[int]:
-    return [_integer(v, where, 0) for v in _listed(value)]
+    return [_integer(v, where, 0) for v in _as_list(value)]
 
 
 def _budgets(
@@ -196,7 +196,7 @@ def _budgets(
     """Compute budgets: a list, or a mapping context -> list covering every context
     (``partial``, for a family: some of them; the family runs at those only)."""
     def checked(items: Any, label: str) -> list[float]:
-        budgets = [_number(c, label) for c in _listed(items)]
+        budgets = [_number(c, label) for c in _as_list(items)]
         if not budgets or any(c <= 0 for c in budgets):
             raise UserError(f"sweep spec: {label}={items!r}: budgets must be > 0 FLOPs")
         return budgets
@@ -227,10 +227,12 @@ def _eval_options(value: Any) -> dict[str, Any]:
     if not isinstance(tasks, list) or any(not isinstance(t, str) or not t for t in tasks):
         raise UserError(f"sweep spec: eval.tasks={value.get('tasks')!r}: a list of task names")
     out["tasks"] = [t for t in tasks if t]
-    from xmodlm.eval.tasks import TASKS  # checked now, not after every run has trained
+    from xmodlm.eval.tasks import check_tasks  # checked now, not after every run has trained
 
-    if bad := [t for t in out["tasks"] if t not in TASKS]:
-        raise UserError(f"sweep spec: eval.tasks: unknown task {bad[0]!r}; allowed: {', '.join(TASKS)}")
+    try:
+        check_tasks(out["tasks"])
+    except UserError as err:
+        raise UserError(f"sweep spec: eval.tasks: {err}") from None
     if out["split"] not in ("val", "test"):
         raise UserError(f"sweep spec: eval.split={out['split']!r}: allowed: val, test")
     out["max_items"] = _integer(out["max_items"], "eval.max_items", 1)
@@ -262,7 +264,7 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     YAML left as strings ("3e12") read as numbers. Every fault is one UserError line."""
     out = dict(spec)
     if spec.get("context") is not None:
-        out["context"] = [_integer(t, "context", 1) for t in _listed(spec["context"])]
+        out["context"] = [_integer(t, "context", 1) for t in _as_list(spec["context"])]
     out["compute"] = _budgets(spec["compute"], "compute", out.get("context"))
     if "seeds" in spec:
         out["seeds"] = _seeds(spec["seeds"], "seeds")
@@ -272,17 +274,17 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     for key in ("name", "base"):
         if key in spec and not isinstance(spec[key], str):
             raise UserError(f"sweep spec: {key}={spec[key]!r}: must be a string")
-    if any(not isinstance(item, str) for item in _listed(spec.get("set", []))):
+    if any(not isinstance(item, str) for item in _as_list(spec.get("set", []))):
         raise UserError("sweep spec: set must be a list of key.path=value strings")
     dense = []
-    for ref in _listed(spec["dense"]):
+    for ref in _as_list(spec["dense"]):
         if not isinstance(ref, dict) or not {"width", "n_layers"} <= set(ref):
             raise UserError("sweep spec: each dense entry needs width and n_layers")
         dense.append({k: _integer(v, f"dense.{k}", 1) if k in ("width", "n_layers", "n_heads")
                       else v for k, v in ref.items()})
     out["dense"] = dense
     families = []
-    for entry in _listed(spec["families"]):
+    for entry in _as_list(spec["families"]):
         if not isinstance(entry, dict):
             raise UserError(f"sweep spec: families entry {entry!r}: must be a mapping with a family")
         name = entry.get("family")
@@ -295,7 +297,7 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
             if key == "compute":
                 fam[key] = _budgets(value, where, out.get("context"), partial=True)
                 continue
-            values = _listed(value)
+            values = _as_list(value)
             if key in _INT_KEYS:
                 values = [_integer(v, where, _INT_KEYS[key]) for v in values]
             elif key == "capacity":
@@ -312,10 +314,6 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
         families.append(fam)
     out["families"] = families
     return out
-
-
-def _as_list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else [value]
 
 
 def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
