@@ -212,6 +212,18 @@ def test_swiglu_and_cross_entropy_match_autograd(dtype: torch.dtype) -> None:
     assert g.dtype == dtype
     tol = {"rtol": 1e-2, "atol": 1e-4} if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(g, g_ref, **tol)
+    # a target's logit 200 below the row maximum: p underflows, the loss must not
+    far = torch.zeros(2, 50, dtype=dtype)
+    far[:, 7] = 200.0
+    far.requires_grad_()
+    loss = cross_entropy_fp32(far, torch.tensor([3, 7]))
+    torch.testing.assert_close(loss, F.cross_entropy(far.float(), torch.tensor([3, 7])))
+    assert 99.0 < loss.item() < 101.0
+    # walking the graph twice (retain_graph) gives the same gradient twice
+    loss = cross_entropy_fp32(logits, targets)
+    (g1,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    (g2,) = torch.autograd.grad(loss, logits)
+    assert torch.equal(g1, g2)
 
 
 # --- the reference GPT and the bench ---------------------------------------------------

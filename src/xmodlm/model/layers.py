@@ -240,32 +240,46 @@ class SwiGLU(nn.Module):
 class _CrossEntropyFn(torch.autograd.Function):
     """Mean cross-entropy of (N, V) logits computed in fp32, gradient in the logits' dtype.
 
-    Forward as ``F.cross_entropy(logits.float(), targets)``; the backward forms
-    ``(softmax - onehot) / N`` from the saved log-probabilities in two passes and
-    writes it straight in the logits' dtype, where autograd would go through a
-    zero-filled one-hot, the log-softmax backward and a cast (the (N, V) tensors
-    are the largest of a step). Targets must be valid class ids (no ignore index).
+    The loss is ``F.cross_entropy(logits.float(), targets)`` to fp32 round-off.
+    The forward keeps the softmax p (one exponential pass, as ``log_softmax``
+    takes) and reads the loss off it: ln sum_j exp(x_j) = max(x) - ln max(p), so
+    loss_i = max(x_i) - ln max(p_i) - x_{i,t}, exact however far below the maximum
+    the target's logit lies (no ln of an underflowed p). The backward is then
+    ``(p - onehot) / N`` written straight in the logits' dtype: one pass over
+    p, where going through ``log_softmax`` recomputes p = exp(log p), a second
+    exponential over the largest tensor of a step (the two row maxima cost
+    less than half of it: about 2% of a width-128 step on a CPU). Targets must
+    be valid class ids (no ignore index).
     """
 
     @staticmethod
     def forward(ctx, logits_NV, targets_N):  # noqa: ANN001, ANN205
-        lsm_NV = torch.log_softmax(logits_NV.float(), dim=-1)
-        ctx.save_for_backward(lsm_NV, targets_N)
+        x_NV = logits_NV.float()
+        p_NV = torch.softmax(x_NV, dim=-1)
+        t_N1 = targets_N.unsqueeze(1)
+        lse_N = x_NV.amax(-1) - p_NV.amax(-1).log()
+        ctx.save_for_backward(p_NV, targets_N)
         ctx.logits_dtype = logits_NV.dtype
-        return F.nll_loss(lsm_NV, targets_N)
+        return (lse_N - x_NV.gather(1, t_N1).squeeze(1)).mean()
 
     @staticmethod
     def backward(ctx, g):  # noqa: ANN001, ANN205
-        lsm_NV, targets_N = ctx.saved_tensors
-        N = lsm_NV.shape[0]
-        p_NV = lsm_NV.exp()
-        minus_one = torch.full((N, 1), -1.0, dtype=p_NV.dtype, device=p_NV.device)
-        p_NV.scatter_add_(1, targets_N.unsqueeze(1), minus_one)
+        p_NV, targets_N = ctx.saved_tensors
+        scale = g / p_NV.shape[0]
+        t_N1 = targets_N.unsqueeze(1)
         grad = torch.empty(p_NV.shape, dtype=ctx.logits_dtype, device=p_NV.device)
-        torch.mul(p_NV, g / N, out=grad)
+        torch.mul(p_NV, scale, out=grad)
+        # the target entries, (p - 1) * scale formed in fp32 before the cast (p untouched:
+        # the graph may be walked again with retain_graph)
+        grad.scatter_(1, t_N1, ((p_NV.gather(1, t_N1) - 1.0) * scale).to(grad.dtype))
         return grad, None
 
 
 def cross_entropy_fp32(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
-    """``F.cross_entropy(logits.float(), targets)`` (mean), with a leaner backward."""
+    """``F.cross_entropy(logits.float(), targets)`` (mean), with a leaner backward.
+
+    Without a gradient to compute (evaluation) it is exactly that call.
+    """
+    if not (torch.is_grad_enabled() and logits_NV.requires_grad):
+        return F.cross_entropy(logits_NV.float(), targets_N)
     return _CrossEntropyFn.apply(logits_NV, targets_N)
