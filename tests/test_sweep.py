@@ -242,8 +242,8 @@ def test_shipped_cpu_study_meets_its_design_rules() -> None:
             for C in tiers:
                 seeds = {r.cfg.train.seed for r in runs if r.cfg.model.family == family
                          and r.cfg.model.context == T and r.compute == C
-                         and r.cfg.model.stride in (1, 2, 4) and r.cfg.model.capacity in (1, 0.125)
-                         and (family != "xmod" or r.cfg.model.stride == 4)}
+                         and r.cfg.model.stride in (1, 2, 8) and r.cfg.model.capacity in (1, 0.125)
+                         and (family != "xmod" or r.cfg.model.stride == 8)}
                 assert seeds == {0, 1, 2}, (family, T, C)
 
 
