@@ -303,6 +303,31 @@ def test_recommend_picks_sparse_when_the_law_says_so(sparse_helps: LawFit) -> No
     assert all(c["params_total"] <= 3e7 for c in capped["candidates"])
 
 
+def test_report_names_resolved_terms_and_the_law_answer_per_cell(sparse_helps: LawFit) -> None:
+    """The sweep report's law section says per named term whether the data resolve it
+    (one context: the context term is held, not fitted), and its headline carries what
+    `recommend` answers at each cell's budget for the cell's dense model."""
+    from xmodlm.report.sweep_report import _law_section, headline
+
+    terms = _law_section(sparse_helps, "fit.json")["terms"]
+    assert set(terms) == {"capacity", "context", "interaction"}
+    cap = terms["capacity"]
+    assert cap["param"] == "g_cap" and not cap["fixed"]
+    assert cap["resolved"] == (cap["ci"][0] > 0 or cap["ci"][1] < 0)
+    assert cap["resolved"]  # the synthetic truth is g_cap = 0.06
+    assert terms["context"]["fixed"] and not terms["context"]["resolved"]
+    pairs = [{"context": 1024, "tier": 1e17, "width": 512, "family": "xmod", "n": 3,
+              "config": "xmod S=4", "mean": -0.01, "se": 0.002, "resolved": True}]
+    df = pd.DataFrame([{"family": "dense", "context": 1024, "tier": 1e17, "width": 512,
+                        "params_active": 1e7}])
+    (row,) = headline(pairs, df, sparse_helps)
+    want = recommend(1e17, 1024, 1e7, law=sparse_helps)
+    assert row["law"]["answer"] == want["answer"] != "train dense"
+    assert row["law"]["top"]["stride"] == want["best"]["stride"]
+    (row,) = headline(pairs, df.assign(context=2048), sparse_helps)
+    assert row["law"]["answer"] is None  # no dense run in the cell to size the reference
+
+
 @pytest.fixture(scope="module")
 def sparse_hurts() -> LawFit:
     """A law fitted where X-MoD hurts (g_cap < 0) at one context."""

@@ -134,6 +134,42 @@ def test_paired_seeds_causal_loss_and_learning_rates(tmp_path: Path) -> None:
     assert "| 1e+13 | 128 | 128 | xmod S=4 c=0.125 variance_scaled bal=0.01 lr=0.003 | 3 |" in md
 
 
+def test_headline_is_the_most_seeded_configuration_per_cell(tmp_path: Path) -> None:
+    """At T = 128 X-MoD S = 8 has three seeds (+0.01, +0.02, +0.03 against dense) and
+    S = 4 one lucky seed (-0.5): the headline is S = 8, not the best mean. MoD has
+    three seeds at -0.02 each (resolved). At T = 512 two X-MoD configurations have one
+    seed each: no headline there."""
+    s8 = {"stride": 8, "capacity": 0.125, "gating": "variance_scaled", "balance_coef": 0.01}
+    mod = {"stride": 2, "capacity": 0.125, "gating": "logit", "balance_coef": 0.0}
+    rows = []
+    for seed, gap in enumerate([0.01, 0.02, 0.03]):
+        rows += [
+            _row("dense", 128, 1e13, 5.0 + seed, seed=seed, val_loss_causal=5.0 + seed),
+            _row("xmod", 128, 1e13, 0, seed=seed, val_loss_causal=5.0 + seed + gap, **s8),
+            _row("mod", 128, 1e13, 0, seed=seed, val_loss_causal=4.98 + seed, **mod),
+        ]
+    rows += [
+        _row("xmod", 128, 1e13, 0, seed=0, val_loss_causal=4.5, **{**s8, "stride": 4}),
+        _row("dense", 128, 3e13, 4.0, context=512, val_loss_causal=4.0),
+        _row("xmod", 128, 3e13, 0, context=512, val_loss_causal=4.1, **s8),
+        _row("xmod", 128, 3e13, 0, context=512, val_loss_causal=4.2, **{**s8, "stride": 4}),
+    ]
+    rep = sweep_report_table(pd.DataFrame(rows), tmp_path)
+    (t128, t512) = rep["headline"]
+    assert (t128["context"], t512["context"]) == (128, 512)
+    x = t128["families"]["xmod"]
+    assert x["config"].startswith("xmod S=8") and x["n"] == 3
+    assert x["mean"] == pytest.approx(0.02) and x["se"] == pytest.approx(0.01 / 3**0.5)
+    m = t128["families"]["mod"]
+    assert m["mean"] == pytest.approx(-0.02) and m["resolved"]
+    assert "moe" not in t128["families"] and "law" not in t128
+    assert t512["families"]["xmod"] == {"tied": 2, "n": 1}
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| T | C | width | X-MoD | MoD |" in md
+    assert "| 128 | 1e+13 | 128 | +0.020 +- 0.006 (3) | -0.020 +- 0.000 (3)* |" in md
+    assert "| 512 | 3e+13 | 128 | - (2 configurations with 1 seeds) | - |" in md
+
+
 def sweep_report_table(df: pd.DataFrame, tmp_path: Path) -> dict:
     path = tmp_path / "results.csv"
     df.to_csv(path, index=False)

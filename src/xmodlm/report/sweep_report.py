@@ -197,13 +197,73 @@ def paired(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
         ci = [mean - half, mean + half] if half is not None else None
         row = dict(zip(keys, key, strict=True))
         out.append({
-            "config": _run_label(row),
+            "config": _run_label(row), "family": str(row["family"]),
             "tier": float(row["tier"]), "context": int(row["context"]), "width": int(row["width"]),
             "n": n, "seeds": sorted(int(x) for x in g["seed"]), "mean": mean, "se": se,
             "ci95": ci, "resolved": bool(ci is not None and (ci[0] > 0 or ci[1] < 0)),
             "mean_topk": float(g["delta_topk"].mean()),
         })
     return out
+
+
+HEADLINE_FAMILIES = ("xmod", "mod", "moe")
+
+
+def headline(
+    pairs: list[dict[str, Any]], df: pd.DataFrame, fit: LawFit | None = None
+) -> list[dict[str, Any]]:
+    """The sweep's answer in one table: a row per (context, budget, width).
+
+    In each cell, every routed family's *headline configuration* minus its
+    FLOP-matched dense run of the same seed (a :func:`paired` row: mean +- SE
+    over seeds, resolved or not). The headline configuration is the family's
+    one with the most seeds in the cell: a study gives its headline cells the
+    most seeds, and choosing the best mean instead would pick on seed noise.
+    Where several configurations share the most seeds (an ablation, a learning-rate
+    sweep) the family has no headline there: ``{"tied": k, "n": seeds}``. With a law ``fit``, each row also carries what
+    :func:`~xmodlm.law.recommend.recommend` answers at that budget and context
+    for the cell's dense model's active parameters.
+    """
+    rows = []
+    cells = sorted({(p["context"], p["tier"], p["width"]) for p in pairs})
+    for context, tier, width in cells:
+        here = [p for p in pairs if (p["context"], p["tier"], p["width"]) == (context, tier, width)]
+        row: dict[str, Any] = {"context": context, "tier": tier, "width": width, "families": {}}
+        for family in HEADLINE_FAMILIES:
+            mine = [p for p in here if p["family"] == family]
+            most = max((p["n"] for p in mine), default=0)
+            top = [p for p in mine if p["n"] == most]
+            if len(top) == 1:
+                row["families"][family] = top[0]
+            elif top:  # no configuration stands out: nothing to headline
+                row["families"][family] = {"tied": len(top), "n": most}
+        if fit is not None:
+            row["law"] = _law_answer(fit, df, context, tier, width)
+        rows.append(row)
+    return rows
+
+
+def _law_answer(fit: LawFit, df: pd.DataFrame, context: int, tier: float, width: int) -> dict[str, Any]:
+    """``recommend`` at one cell's budget, context and dense model size (its answer, and
+    the best sparse candidate's predicted difference to dense with P(beats dense))."""
+    from xmodlm.law.recommend import recommend
+
+    dense = df[(df["family"] == "dense") & (df["context"] == context) & (df["tier"] == tier)
+               & (df["width"] == width)]
+    if dense.empty or "params_active" not in dense.columns:
+        return {"answer": None, "why": "no dense run with its active parameters in the cell"}
+    try:
+        rec = recommend(tier, int(context), float(dense["params_active"].median()), law=fit)
+    except UserError as err:
+        return {"answer": None, "why": str(err)}
+    top = min(rec["candidates"], key=lambda e: e["loss"], default=None)
+    return {
+        "answer": rec["answer"], "why": rec["reason"], "identified": rec["law"]["identified"],
+        "top": None if top is None else {
+            "stride": top["stride"], "capacity": top["capacity"], "vs_dense": top["vs_dense"],
+            "p_beats_dense": top["p_beats_dense"], "p_routing_helps": top["p_routing_helps"],
+        },
+    }
 
 
 def _first_anchor_only(row: dict[str, Any]) -> bool:
@@ -273,8 +333,34 @@ def _law_section(fit: LawFit, fit_path: str | Path) -> dict[str, Any]:
             for k, v in form["params"].items()
             if not v.get("fixed")
         }
+        section["terms"] = law_terms(section["params"], form["params"])
     section["metrics"] = data["metrics"]
     return section
+
+
+TERM_PARAMS = {"capacity": "g_cap", "context": "g_ctx", "interaction": "g_int"}
+
+
+def law_terms(fitted: dict[str, Any], every: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Which of the three named terms of the delta law the data resolve.
+
+    Each term has one signed coefficient (``capacity``: g_cap, ``context``:
+    g_ctx, ``interaction``: g_int; :mod:`xmodlm.law.delta`). A term is resolved
+    when its coefficient was fitted (not held at zero for want of contexts or
+    strides) and its 95% bootstrap interval excludes zero.
+    """
+    out = {}
+    for term, name in TERM_PARAMS.items():
+        if name in fitted:
+            v = fitted[name]
+            lo, hi = v["ci"]
+            out[term] = {"param": name, "value": v["value"], "ci": v["ci"], "fixed": False,
+                         "resolved": bool(lo > 0 or hi < 0)}
+        else:
+            value = every.get(name, {}).get("value", 0.0)
+            out[term] = {"param": name, "value": value, "ci": None, "fixed": True,
+                         "resolved": False}
+    return out
 
 
 def dynamics(df: pd.DataFrame, results: str | Path, out_dir: str | Path) -> dict[str, Any]:
@@ -364,6 +450,7 @@ def sweep_report(
         "causal_gap": None,
         "dynamics": None,
         "law": None,
+        "headline": [],
     }
     if not comparisons.empty:
         report["vs_dense"] = {
@@ -393,6 +480,7 @@ def sweep_report(
     out.mkdir(parents=True, exist_ok=True)
     report["dynamics"] = dynamics(df, results, out)
     bar.update(1, done="training dynamics read from the run records")
+    fit = None
     if law is not None:
         from xmodlm.law.fit import load_fit
         from xmodlm.report.law_plots import plot_law
@@ -402,6 +490,7 @@ def sweep_report(
         plots = plot_law(fit, raw, out / "plots")
         report["law"]["plots"] = [str(p.relative_to(out)) for p in plots]
         bar.update(1, done="law summarised and plotted")
+    report["headline"] = headline(report["paired"], df, fit)
     atomic_write_text(out / "comparisons.csv", comparisons.to_csv(index=False))
     atomic_write_json(out / "report.json", report)
     atomic_write_text(out / "report.md", render_markdown(report, comparisons))
@@ -424,6 +513,7 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
         f"{runs['finished']} finished runs ({fams}); {runs['left_out']} left out as not finished.",
         f"Compute tiers {', '.join(f'{t:.2g}' for t in report['tiers'])};"
         f" widths {report['widths']}; contexts {report['contexts']}; seeds {report['seeds']}.",
+        *_headline_markdown(report.get("headline") or []),
         "",
         "## Against the FLOP-matched dense model",
         "",
@@ -524,6 +614,13 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
             lines += ["| parameter | value | 95% interval |", "|---|---|---|"]
             for k, v in law["params"].items():
                 lines.append(f"| {k} | {v['value']:.4g} | [{v['ci'][0]:.4g}, {v['ci'][1]:.4g}] |")
+            lines += ["", "Resolved: the term's coefficient was fitted and its 95% interval"
+                      " excludes zero.", "", "| term | coefficient | value | resolved |",
+                      "|---|---|---|---|"]
+            for term, t in law.get("terms", {}).items():
+                state = ("held at 0 (the data cannot show it)" if t["fixed"]
+                         else "yes" if t["resolved"] else "no")
+                lines.append(f"| {term} | {t['param']} | {t['value']:.4g} | {state} |")
         held = law["metrics"].get("heldout") or {}
         if held:
             ratio = held.get("ratio")
@@ -539,6 +636,62 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
         for p in law.get("plots", []):
             lines += ["", f"![{Path(p).stem}]({p})"]
     return "\n".join(lines) + "\n"
+
+
+FAMILY_NAMES = {"xmod": "X-MoD", "mod": "MoD", "moe": "MoE"}
+
+
+def _headline_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The :func:`headline` table: routed families minus dense per context and budget."""
+    if not rows:
+        return []
+    fams = [f for f in HEADLINE_FAMILIES if any(f in r["families"] for r in rows)]
+    with_law = any("law" in r for r in rows)
+    head = ["T", "C", "width", *(FAMILY_NAMES[f] for f in fams)] + (["law recommends"] if with_law else [])
+    lines = [
+        "", "## Headline", "",
+        "Each routed family's headline configuration (its one with the most seeds in the"
+        " cell) minus the FLOP-matched dense run of the same seed: causal-routing validation"
+        " loss, nats, mean +- standard error over seeds (n); * where the 95% interval excludes"
+        " zero. Negative: the routed model is better."
+        + (" Law: `xmod recommend` at the cell's budget, context and dense size; P is the"
+           " smaller of P(beats dense) and P(routing helps), which must both reach its"
+           " threshold, and a law flagged as not identified gives no sparse answer."
+           if with_law else ""), "",
+        "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+    ]
+    configs: dict[str, set[str]] = {}
+    for r in rows:
+        cells = [str(r["context"]), f"{r['tier']:.2g}", str(r["width"])]
+        for f in fams:
+            p = r["families"].get(f)
+            if p is None:
+                cells.append("-")
+                continue
+            if "tied" in p:
+                cells.append(f"- ({p['tied']} configurations with {p['n']} seeds)")
+                continue
+            configs.setdefault(f, set()).add(p["config"])
+            se = f" +- {p['se']:.3f}" if p["se"] is not None else ""
+            cells.append(f"{p['mean']:+.3f}{se} ({p['n']}){'*' if p['resolved'] else ''}")
+        if with_law:
+            law = r.get("law") or {}
+            top = law.get("top")
+            answer = law.get("answer") or "-"
+            if top is not None:
+                p = min(top["p_beats_dense"], top["p_routing_helps"])
+                answer += (f" (best sparse: S={top['stride']} c={top['capacity']:g},"
+                           f" {top['vs_dense']:+.3f} predicted, P {p:.2f}"
+                           + ("; law not identified" if not law.get("identified", True) else "")
+                           + ")")
+            cells.append(answer)
+        lines.append("| " + " | ".join(cells) + " |")
+    if configs:
+        lines.append("")
+    for f in fams:
+        if configs.get(f):
+            lines.append(f"* {FAMILY_NAMES[f]}: {'; '.join(sorted(configs[f]))}")
+    return lines
 
 
 def _pm(stat: dict[str, Any] | None, fmt: str, index: int | None = None) -> str:
