@@ -289,6 +289,12 @@ def test_quick_bench_has_every_size_model_and_comparison(quick_result: dict) -> 
             assert abs(cmp["best"]["flop_ratio"] - 1) < 0.15 or model == "dense_same_params"
         assert _positive(sec["dense_vs_gpt2"]["best"]["time_ratio"])
         assert _positive(sec["dense_vs_reference"]["best"]["time_ratio"])
+        parts = section["dense_vs_gpt2_parts"]
+        assert set(parts["ours"]["parts_ms"]) == {"positions", "norms", "mlp_activation", "loss"}
+        assert set(parts["gpt2"]["parts_ms"]) == {"norms", "mlp_activation", "loss"}
+        for kind in ("ours", "gpt2"):  # every part of a step is less than the step
+            assert 0 < sum(parts[kind]["parts_ms"].values()) < parts[kind]["step_ms"]
+        assert parts["ours_minus_gpt2_ms"]["positions"] == parts["ours"]["parts_ms"]["positions"]
         same = sec["xmod_vs_dense_same_params"]
         assert _positive(same["speedup_measured"]) and same["speedup_ideal"] > 2
     bench = res["sizes"]["bench"]

@@ -23,7 +23,7 @@ import torch
 from xmodlm import flops
 from xmodlm.bench import compile as bench_compile
 from xmodlm.bench.decode import decode
-from xmodlm.bench.overhead import routing_overhead
+from xmodlm.bench.overhead import architecture_parts, routing_overhead
 from xmodlm.bench.sizes import (
     DEVICE_PEAK_N,
     QUICK_PEAK_N,
@@ -279,8 +279,13 @@ def run_bench(
             section, cases = time_size(size, thread_counts, dev, compiled=compiled,
                                        timing=_timing(size, reps, dev), peak_n=peak_n, say=say)
             result["sizes"][name] = section
+            torch.set_num_threads(main)
+            say(f"{name}: dense and GPT-2 parts, profiled")
+            section["dense_vs_gpt2_parts"] = {
+                "threads": main,
+                **architecture_parts(cases["dense"]["eager"], cases["gpt2"]["eager"], dev),
+            }
             if i == 0:  # single-size sections: on the first size, at the main thread count
-                torch.set_num_threads(main)
                 say(f"{name}: routing overhead of an eager X-MoD step; decode")
                 overhead = routing_overhead(cases["xmod_s4_c0125"]["eager"], dev)
                 result["routing_overhead"] = {"size": name, "threads": main, **overhead}
