@@ -261,8 +261,10 @@ def test_dynamics_mean_and_se_over_seeds_per_configuration(tmp_path: Path) -> No
     assert xm["residual_rms_init"] is None  # no config.yaml: nothing to rebuild
     assert cfg["dense"]["spikes"]["mean"] == 0 and cfg["dense"]["coverage"] is None
     assert (tmp_path / "out" / dyn["plot"]).is_file()
+    assert dyn["depth_plot"] == "depth_hist.png" and (tmp_path / "out" / "depth_hist.png").is_file()
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Training dynamics" in md and "(1 without one skipped)" in md
+    assert "![sparse depth per token](depth_hist.png)" in md
     assert "| xmod S=4 c=0.125 sigmoid bal=0 | 3 | 1.00 +- 0.58 |" in md
 
 

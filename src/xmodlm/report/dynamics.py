@@ -324,3 +324,40 @@ def plot_residual_rms(groups: Sequence[dict[str, Any]], path: str | Path) -> Pat
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
+
+
+def plot_depth_hist(groups: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
+    """Share of tokens by the number of sparse blocks that processed them (last
+    evaluation, top-k routing), one line per configuration with its standard error
+    over seeds as a band; None when no group has a histogram.
+
+    The mean depth is fixed by the capacity (c times the number of sparse blocks),
+    so what differs between mechanisms is the spread: balancing should narrow it,
+    and a router that sends the same tokens everywhere widens it toward 0 and n.
+    """
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    drawn = [g for g in groups if g.get("depth_hist")]
+    if not drawn:
+        return None
+    fig = Figure(figsize=(8, 5))
+    ax = fig.add_subplot()
+    cmap = colormaps["tab20" if len(drawn) > 10 else "tab10"]
+    for i, g in enumerate(drawn):
+        colour = cmap(i % cmap.N)
+        y = np.asarray(g["depth_hist"]["mean"])
+        x = np.arange(len(y))
+        ax.plot(x, y, marker=".", color=colour, label=g["label"])
+        if g["depth_hist"]["se"] is not None:
+            se = np.asarray(g["depth_hist"]["se"])
+            ax.fill_between(x, y - se, y + se, color=colour, alpha=0.2, lw=0)
+    ax.set(xlabel="sparse blocks that processed the token", ylabel="share of tokens",
+           title="sparse depth per token at the last evaluation (mean over seeds +- SE)")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path

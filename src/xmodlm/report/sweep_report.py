@@ -25,7 +25,8 @@ the questions a reader asks first, in this order:
    of the sweep directory): per configuration (as in 2, dense included, and the
    depth), mean +- SE over seeds of loss spikes, gradient-norm peaks, residual
    RMS per block at init and at the end, and the routing at the end
-   (:mod:`xmodlm.report.dynamics`); ``residual_rms.png`` draws the residual RMS.
+   (:mod:`xmodlm.report.dynamics`); ``residual_rms.png`` draws the residual RMS and
+   ``depth_hist.png`` the sparse depth per token.
    A run without ``metrics.jsonl`` is skipped and counted.
 6. Optionally, the law: selected delta form, its parameters with 95% intervals,
    held-out metrics, and the law's plots.
@@ -372,6 +373,7 @@ def dynamics(df: pd.DataFrame, results: str | Path, out_dir: str | Path) -> dict
     from xmodlm.report.dynamics import (
         SPIKE_THRESHOLD,
         SPIKE_WINDOW,
+        plot_depth_hist,
         plot_residual_rms,
         run_dynamics,
         summarise,
@@ -416,6 +418,9 @@ def dynamics(df: pd.DataFrame, results: str | Path, out_dir: str | Path) -> dict
     plot = plot_residual_rms([{"label": c["config"], **c} for c in section["configs"]],
                              Path(out_dir) / "residual_rms.png")
     section["plot"] = plot.name if plot is not None else None
+    depth = plot_depth_hist([{"label": c["config"], **c} for c in section["configs"]],
+                            Path(out_dir) / "depth_hist.png")
+    section["depth_plot"] = depth.name if depth is not None else None
     return section
 
 
@@ -732,7 +737,7 @@ def _dynamics_markdown(dyn: dict[str, Any] | None) -> list[str]:
         " `residual_rms.png`. Routing at the last evaluation: coverage and Jaccard overlap"
         " averaged over windows and consecutive sparse blocks; depth sd: the standard deviation"
         " of the number of sparse blocks a token passes through (its mean is fixed by the"
-        " capacity).",
+        " capacity); the whole histogram in `depth_hist.png`.",
         "",
         "| C | T | width | configuration | seeds | spikes | max grad norm | p99 grad norm |"
         " last-block RMS init | last-block RMS end | coverage | depth sd | Jaccard |",
@@ -748,4 +753,6 @@ def _dynamics_markdown(dyn: dict[str, Any] | None) -> list[str]:
         )
     if dyn["plot"]:
         lines += ["", f"![residual RMS per block]({dyn['plot']})"]
+    if dyn.get("depth_plot"):
+        lines += ["", f"![sparse depth per token]({dyn['depth_plot']})"]
     return lines
