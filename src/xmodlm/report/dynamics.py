@@ -293,19 +293,13 @@ def plot_residual_rms(groups: Sequence[dict[str, Any]], path: str | Path) -> Pat
     stream grows by an order of magnitude in training, and a gate's effect is a
     ratio.
     """
-    from matplotlib import colormaps
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
     drawn = [g for g in groups if g.get("residual_rms_init") or g.get("residual_rms_end")]
     if not drawn:
         return None
-    fig = Figure(figsize=(8, 5))
-    ax = fig.add_subplot()
-    cmap = colormaps["tab20" if len(drawn) > 10 else "tab10"]
-    for i, g in enumerate(drawn):
-        colour = cmap(i % cmap.N)
+    fig, ax, colours = _figure(len(drawn))
+    for g, colour in zip(drawn, colours, strict=True):
         for key, style in (("residual_rms_init", "--"), ("residual_rms_end", "-")):
             if g.get(key):
                 y = g[key]["mean"]
@@ -319,11 +313,7 @@ def plot_residual_rms(groups: Sequence[dict[str, Any]], path: str | Path) -> Pat
     handles += [Line2D([], [], color="grey", ls="--"), Line2D([], [], color="grey", ls="-")]
     labels += ["at init", "at the end"]
     ax.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    return path
+    return _save(fig, path)
 
 
 def plot_depth_hist(groups: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
@@ -335,18 +325,11 @@ def plot_depth_hist(groups: Sequence[dict[str, Any]], path: str | Path) -> Path 
     so what differs between mechanisms is the spread: balancing should narrow it,
     and a router that sends the same tokens everywhere widens it toward 0 and n.
     """
-    from matplotlib import colormaps
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     drawn = [g for g in groups if g.get("depth_hist")]
     if not drawn:
         return None
-    fig = Figure(figsize=(8, 5))
-    ax = fig.add_subplot()
-    cmap = colormaps["tab20" if len(drawn) > 10 else "tab10"]
-    for i, g in enumerate(drawn):
-        colour = cmap(i % cmap.N)
+    fig, ax, colours = _figure(len(drawn))
+    for g, colour in zip(drawn, colours, strict=True):
         y = np.asarray(g["depth_hist"]["mean"])
         x = np.arange(len(y))
         ax.plot(x, y, marker=".", color=colour, label=g["label"])
@@ -356,6 +339,23 @@ def plot_depth_hist(groups: Sequence[dict[str, Any]], path: str | Path) -> Path 
     ax.set(xlabel="sparse blocks that processed the token", ylabel="share of tokens",
            title="sparse depth per token at the last evaluation (mean over seeds +- SE)")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return _save(fig, path)
+
+
+def _figure(n_lines: int) -> tuple[Any, Any, list[Any]]:
+    """A figure with one axis and a distinct colour for each of ``n_lines`` lines
+    (the Agg canvas, never pyplot: no global figure state, no display needed)."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5))
+    cmap = colormaps["tab20" if n_lines > 10 else "tab10"]
+    return fig, fig.add_subplot(), [cmap(i % cmap.N) for i in range(n_lines)]
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
