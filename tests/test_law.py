@@ -328,6 +328,28 @@ def test_report_names_resolved_terms_and_the_law_answer_per_cell(sparse_helps: L
     assert row["law"]["answer"] is None  # no dense run in the cell to size the reference
 
 
+def test_the_selected_law_is_scored_under_every_protocol(
+    mixed_fit: LawFit, sparse_helps: LawFit
+) -> None:
+    """Selection uses one protocol; the fit also scores the chosen law under the other
+    two where the table supports them (two contexts, four tiers, several cells), and
+    says why where it does not (one context: no longest-context test)."""
+    m = mixed_fit.metrics
+    by = m["heldout_by_protocol"]
+    assert list(by) == list(holdout.PROTOCOLS)
+    assert by[m["heldout_protocol"]] == m["heldout"]
+    for protocol, scores in by.items():
+        assert scores["n"] > 0 and 0 < scores["rmse"] < 0.05, protocol  # noise is 0.01
+    one = sparse_helps.metrics["heldout_by_protocol"]
+    assert "2 or more context lengths" in one["longest-context"]["not_applicable"]
+    assert one["top-compute"]["rmse"] > 0
+    from xmodlm.report.sweep_report import _protocols_markdown
+
+    md = "\n".join(_protocols_markdown(one, sparse_helps.metrics["heldout_protocol"]))
+    assert f"| leave-cell-out (selects the form) | {one['leave-cell-out']['n']} |" in md
+    assert "| longest-context | - | holdout longest-context needs" in md
+
+
 @pytest.fixture(scope="module")
 def sparse_hurts() -> LawFit:
     """A law fitted where X-MoD hurts (g_cap < 0) at one context."""

@@ -52,6 +52,7 @@ from xmodlm.law.delta import (
 )
 from xmodlm.law.holdout import (
     DENSE_ONLY,
+    PROTOCOLS,
     HeldOut,
     check_protocol,
     default_protocol,
@@ -342,6 +343,11 @@ def fit_law(
             results, failed = evaluate(frame, protocol, forms, dense_fits, REFERENCE, rng)
             bar.update(1)
     selected, selection = _select(form, deltas, results, failed, protocol)
+    by_protocol = _other_protocols(frame, protocol, selected, dense_fits, rng)
+    if protocol:
+        held_sel = results.get(selected or DENSE_ONLY)
+        by_protocol[protocol] = held_sel.metrics if held_sel else {
+            "failed": failed.get(selected or DENSE_ONLY, "no held-out result")}
     ln_point = _in_fit(frame, dense_laws, deltas.get(selected) if selected else None)
     ln_obs = np.log(frame["val_loss"].to_numpy(float))
     err = ln_point - ln_obs
@@ -369,6 +375,7 @@ def fit_law(
             },
             "heldout": held.metrics if held else None,
             "heldout_protocol": protocol,
+            "heldout_by_protocol": {k: by_protocol[k] for k in PROTOCOLS if k in by_protocol},
         },
         heldout_points=_points(held, ln_obs) if held else None,
         runs={
@@ -416,6 +423,38 @@ def _one_variant(frame: pd.DataFrame, family: str) -> tuple[pd.DataFrame, str | 
         chosen = family if family in own else max(own, key=lambda v: (variants[v], v))
     excluded = {str(v): int(n) for v, n in variants.items() if v != chosen}
     return frame[~sparse | (frame["variant"] == chosen)], str(chosen), excluded
+
+
+def _other_protocols(
+    frame: pd.DataFrame,
+    protocol: str | None,
+    selected: str | None,
+    dense_fits: dict[int, dense.DenseFit],
+    rng: np.random.Generator,
+) -> dict[str, dict[str, Any]]:
+    """Held-out scores of the selected law under every protocol but the selecting one.
+
+    Selection uses one protocol; the others test the chosen law on what it was
+    not chosen for (a held-out routing cell, the top compute tier, the longest
+    context), refitting only that law on each fold, after the bootstrap (so
+    the fitted parameters and intervals do not depend on them). A protocol the
+    table cannot support is recorded as ``{"not_applicable": why}``.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    name = selected or DENSE_ONLY
+    law = [FORMS[selected]] if selected else []
+    for other in PROTOCOLS:
+        if other == protocol:
+            continue
+        try:
+            folds(frame, other)
+        except UserError as err:
+            out[other] = {"not_applicable": str(err)}
+            continue
+        results, failed = evaluate(frame, other, law, dense_fits, REFERENCE, rng)
+        out[other] = results[name].metrics if name in results else {
+            "failed": failed.get(name, "no held-out result")}
+    return out
 
 
 def _keep_replicates(

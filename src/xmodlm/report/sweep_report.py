@@ -627,7 +627,10 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
                          else "yes" if t["resolved"] else "no")
                 lines.append(f"| {term} | {t['param']} | {t['value']:.4g} | {state} |")
         held = law["metrics"].get("heldout") or {}
-        if held:
+        by_protocol = law["metrics"].get("heldout_by_protocol") or {}
+        if by_protocol:
+            lines += _protocols_markdown(by_protocol, law["metrics"].get("heldout_protocol"))
+        elif held:
             ratio = held.get("ratio")
             tau = held.get("kendall_tau")
             lines += [
@@ -696,6 +699,26 @@ def _headline_markdown(rows: list[dict[str, Any]]) -> list[str]:
     for f in fams:
         if configs.get(f):
             lines.append(f"* {FAMILY_NAMES[f]}: {'; '.join(sorted(configs[f]))}")
+    return lines
+
+
+def _protocols_markdown(by_protocol: dict[str, dict[str, Any]], selecting: str | None) -> list[str]:
+    """The selected law's held-out scores under each protocol, one row each."""
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else f"{x:{fmt}}"
+
+    lines = ["", "Held-out scores of the selected law (RMSE of ln L on the held-out runs;"
+             " ratio: to the in-fit RMSE of the same refits; Kendall tau and regret within each"
+             " choice of configuration):", "",
+             "| protocol | runs | RMSE | ratio | Kendall tau | regret |", "|---|---|---|---|---|---|"]
+    for protocol, m in by_protocol.items():
+        name = protocol + (" (selects the form)" if protocol == selecting else "")
+        if "rmse" not in m:
+            why = m.get("not_applicable") or m.get("failed") or "-"
+            lines.append(f"| {name} | - | {why} | | | |")
+            continue
+        lines.append(f"| {name} | {m['n']} | {m['rmse']:.4f} | {num(m['ratio'], '.2f')} |"
+                     f" {num(m['kendall_tau'], '.2f')} | {num(m['regret'], '.4f')} |")
     return lines
 
 
