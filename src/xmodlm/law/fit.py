@@ -443,17 +443,24 @@ def _other_protocols(
     out: dict[str, dict[str, Any]] = {}
     name = selected or DENSE_ONLY
     law = [FORMS[selected]] if selected else []
+    runnable = []
     for other in PROTOCOLS:
         if other == protocol:
             continue
         try:
             folds(frame, other)
+            runnable.append(other)
         except UserError as err:
             out[other] = {"not_applicable": str(err)}
-            continue
-        results, failed = evaluate(frame, other, law, dense_fits, REFERENCE, rng)
-        out[other] = results[name].metrics if name in results else {
-            "failed": failed.get(name, "no held-out result")}
+    if not runnable:
+        return out
+    with Progress(len(runnable), f"law fit: {name} held out under {', '.join(runnable)}",
+                  unit="protocol") as bar:
+        for other in runnable:
+            results, failed = evaluate(frame, other, law, dense_fits, REFERENCE, rng)
+            out[other] = results[name].metrics if name in results else {
+                "failed": failed.get(name, "no held-out result")}
+            bar.update(1)
     return out
 
 
