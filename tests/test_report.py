@@ -208,6 +208,23 @@ def test_spikes_are_counted_after_warmup_only() -> None:
     assert count_spikes(plateau, warmup=100) == 2
 
 
+def test_paired_spikes_see_a_jump_the_batch_noise_hides() -> None:
+    """A dense run whose logged loss swings +-0.3 nats with the batch, and a routed run
+    on the same batches, 0.02 worse, with one 0.35-nat jump after warmup: against
+    its own running median the jump hides in the swings (no spike at 0.5 nats); against
+    the dense run at the same step it is one spike, and none without the jump."""
+    from xmodlm.report.dynamics import count_paired_spikes
+
+    swing = [0.3 * ((7 * i) % 5 - 2) / 2 for i in range(200)]  # the batch's difficulty
+    dense = [_train(10 * i, 5 - 0.004 * i + swing[i]) for i in range(200)]
+    routed = [_train(r["step"], r["loss"] + 0.02) for r in dense]
+    assert count_paired_spikes(routed, dense, warmup=100) == 0
+    routed[150]["loss"] += 0.35
+    assert count_spikes(routed, warmup=100) == 0
+    assert count_paired_spikes(routed, dense, warmup=100) == 1
+    assert count_paired_spikes(routed, dense[:0], warmup=100) is None
+
+
 def test_grad_norm_peaks_leave_out_warmup_and_non_finite() -> None:
     rows = [_train(10 * i, 5.0, grad_norm=0.1 * i) for i in range(1, 101)]  # 0.1 .. 10
     rows[2]["grad_norm"] = 99.0  # step 30, warmup
@@ -254,6 +271,8 @@ def test_dynamics_mean_and_se_over_seeds_per_configuration(tmp_path: Path) -> No
     assert xm["n"] == 3 and xm["seeds"] == [0, 1, 2]
     assert xm["spikes"]["mean"] == pytest.approx(1.0)
     assert xm["spikes"]["se"] == pytest.approx(1 / 3**0.5)
+    assert xm["paired_spikes"]["mean"] == pytest.approx(1.0)  # its dense run is smooth
+    assert cfg["dense"]["paired_spikes"] is None
     assert xm["coverage_mean"]["mean"] == pytest.approx(0.5)
     assert xm["coverage_mean"]["se"] == pytest.approx(0.1 / 3**0.5)
     assert xm["residual_rms_end"]["mean"] == pytest.approx([1.0, 3.0])

@@ -9,6 +9,10 @@ gate trains stably or keeps the residual stream in check. Per run, from its
 * **loss spikes**: logged training steps after warmup whose loss exceeds the
   median of the ``SPIKE_WINDOW`` logged losses before it by more than
   ``SPIKE_THRESHOLD`` nats (a non-finite loss always counts);
+* **loss spikes against the dense run**: the same rule on the difference between
+  a routed run's logged loss and its FLOP-matched dense run's at the same step
+  (:func:`count_paired_spikes`), a far finer test, since the two saw the same
+  batches;
 * **gradient-norm peaks**: the largest and the 99th-percentile gradient norm
   (before clipping, as the trainer logs it) of the logged steps after warmup;
 * **residual RMS per block**, at the end (the last evaluation's ``residual_rms``)
@@ -58,6 +62,17 @@ curve lags it (there by 0.24-0.48 nats), so a counted spike stands about
 not small bumps.
 """
 
+PAIRED_SPIKE_THRESHOLD = 0.2
+"""Nats by which a routed run's loss minus its dense run's (same seed, so the same
+batches at the same step) must exceed its recent median to count as a spike.
+
+The batch cancels in the difference: on ``results/lr-depth`` its step-to-step
+standard deviation is 0.02-0.035 nats against 0.14-0.15 for the loss itself, and
+its largest excess over the running median in any run is 0.03-0.10 nats (the
+most at the highest learning rate). 0.2 nats is twice that: no stable run
+counts one, and a jump of a quarter of what :data:`SPIKE_THRESHOLD` needs does.
+"""
+
 SPIKE_WINDOW = 50
 """Logged losses before a step whose median is its reference: at ``log_every = 10``
 the last 500 steps, long enough that one hard batch does not move the median,
@@ -87,6 +102,25 @@ def _after_warmup(rows: Sequence[dict[str, Any]], warmup: int) -> list[int]:
     return [i for i, r in enumerate(rows) if int(r.get("step", 0)) > warmup]
 
 
+def _jumps(
+    series: Sequence[tuple[int, float]], warmup: int, threshold: float, window: int
+) -> int:
+    """Points after ``warmup`` (by step) whose value exceeds the median of the (up to)
+    ``window`` finite values before it by more than ``threshold``; a non-finite
+    value always counts."""
+    count = 0
+    for i, (step, value) in enumerate(series):
+        if step <= warmup:
+            continue
+        if not math.isfinite(value):
+            count += 1
+            continue
+        before = [x for _, x in series[:i] if math.isfinite(x)][-window:]
+        if before and value - float(np.median(before)) > threshold:
+            count += 1
+    return count
+
+
 def count_spikes(
     rows: Sequence[dict[str, Any]], warmup: int, threshold: float = SPIKE_THRESHOLD,
     window: int = SPIKE_WINDOW,
@@ -99,16 +133,23 @@ def count_spikes(
     nothing about the configuration. A non-finite loss is always a spike (the
     trainer skips that step; the run survived it, but it is the same failure).
     """
-    losses = [float(r["loss"]) for r in rows]
-    count = 0
-    for i in _after_warmup(rows, warmup):
-        if not math.isfinite(losses[i]):
-            count += 1
-            continue
-        before = [x for x in losses[:i] if math.isfinite(x)][-window:]
-        if before and losses[i] - float(np.median(before)) > threshold:
-            count += 1
-    return count
+    return _jumps([(int(r.get("step", 0)), float(r["loss"])) for r in rows],
+                  warmup, threshold, window)
+
+
+def count_paired_spikes(
+    rows: Sequence[dict[str, Any]], dense_rows: Sequence[dict[str, Any]], warmup: int,
+    threshold: float = PAIRED_SPIKE_THRESHOLD, window: int = SPIKE_WINDOW,
+) -> int | None:
+    """:func:`count_spikes` on the loss minus the dense run's loss at the same logged
+    step (steps both logged; the dense run of the same seed saw the same batches, so
+    the batch's difficulty cancels). None when the two share no logged step."""
+    dense = {int(r["step"]): float(r["loss"]) for r in dense_rows if "step" in r}
+    diff = [(int(r["step"]), float(r["loss"]) - dense[int(r["step"])])
+            for r in rows if int(r.get("step", -1)) in dense]
+    if not diff:
+        return None
+    return _jumps(diff, warmup, threshold, window)
 
 
 def grad_norm_peaks(rows: Sequence[dict[str, Any]], warmup: int) -> tuple[float | None, float | None]:
@@ -247,6 +288,30 @@ def run_dynamics(
     return out
 
 
+def with_paired_spikes(
+    found: list[tuple[Any, dict[str, Any]]], partner: dict[str, str], runs_root: Path
+) -> list[tuple[Any, dict[str, Any]]]:
+    """Add ``paired_spikes`` (:func:`count_paired_spikes`) to the dynamics of each
+    routed run whose dense partner (``partner``: run id -> dense run id) has a
+    record under ``runs_root``; other runs get None."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+
+    def train_of(run_id: str) -> list[dict[str, Any]]:
+        if run_id not in rows:
+            rows[run_id] = train_rows(read_metrics(runs_root / run_id))
+        return rows[run_id]
+
+    out = []
+    for key, dyn in found:
+        dense_id = partner.get(dyn["run_id"])
+        paired = None
+        if dense_id is not None and (runs_root / dense_id).is_dir():
+            paired = count_paired_spikes(train_of(dyn["run_id"]), train_of(dense_id),
+                                         dyn["warmup"])
+        out.append((key, {**dyn, "paired_spikes": paired}))
+    return out
+
+
 def mean_se(values: Sequence[Any]) -> dict[str, Any] | None:
     """Mean and standard error over seeds of a number or of equal-length lists
     (element by element), ignoring runs without the value.
@@ -268,7 +333,7 @@ def mean_se(values: Sequence[Any]) -> dict[str, Any] | None:
             "se": se.tolist() if se is not None else None}
 
 
-SUMMARISED = ("spikes", "grad_norm_max", "grad_norm_p99", "residual_rms_init",
+SUMMARISED = ("spikes", "paired_spikes", "grad_norm_max", "grad_norm_p99", "residual_rms_init",
               "residual_rms_end", "coverage", "depth_hist", "sparse_depth_sd", "jaccard")
 
 

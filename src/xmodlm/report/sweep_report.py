@@ -163,6 +163,8 @@ def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
                 "delta": run.get("loss", run["val_loss"]) - ref.get("loss", ref["val_loss"]),
                 "delta_topk": run["val_loss"] - ref["val_loss"],
                 "compute_ratio": run["compute"] / ref["compute"],
+                "run_id": run.get("run_id"),
+                "dense_run_id": ref.get("run_id"),
             }
         )
     return pd.DataFrame(rows), unmatched
@@ -364,19 +366,26 @@ def law_terms(fitted: dict[str, Any], every: dict[str, Any]) -> dict[str, dict[s
     return out
 
 
-def dynamics(df: pd.DataFrame, results: str | Path, out_dir: str | Path) -> dict[str, Any]:
+def dynamics(
+    df: pd.DataFrame, results: str | Path, out_dir: str | Path,
+    comparisons: pd.DataFrame | None = None,
+) -> dict[str, Any]:
     """The training-dynamics section: each finished run's record read from the
     sweep directory of ``results`` (``runs/RUN_ID/``, or ``RUN_ID/`` beside the
     table), grouped as the paired comparison groups (plus the depth, since per-block
     figures only average over one), dense included as the reference; and
-    ``residual_rms.png`` in ``out_dir``. Runs without a record are counted."""
+    ``residual_rms.png`` in ``out_dir``. Runs without a record are counted.
+    ``comparisons`` (:func:`match_to_dense`) names each routed run's dense run, for
+    the spikes counted against it."""
     from xmodlm.report.dynamics import (
+        PAIRED_SPIKE_THRESHOLD,
         SPIKE_THRESHOLD,
         SPIKE_WINDOW,
         plot_depth_hist,
         plot_residual_rms,
         run_dynamics,
         summarise,
+        with_paired_spikes,
     )
 
     root = Path(results).parent
@@ -395,8 +404,13 @@ def dynamics(df: pd.DataFrame, results: str | Path, out_dir: str | Path) -> dict
             skipped += 1
         else:
             found.append((i, {**dyn, "run_id": run_id.strip()}))
+    if comparisons is not None and not comparisons.empty and "dense_run_id" in comparisons:
+        partner = {r: d for r, d in zip(comparisons["run_id"], comparisons["dense_run_id"],
+                                        strict=True) if isinstance(r, str) and isinstance(d, str)}
+        found = with_paired_spikes(found, partner, runs_root)
     section: dict[str, Any] = {
         "spike_threshold": SPIKE_THRESHOLD, "spike_window": SPIKE_WINDOW,
+        "paired_spike_threshold": PAIRED_SPIKE_THRESHOLD,
         "runs": len(found), "skipped_no_metrics": skipped, "configs": [], "plot": None,
     }
     if not found:
@@ -483,7 +497,7 @@ def sweep_report(
     bar.update(1, done="comparisons summarised")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report["dynamics"] = dynamics(df, results, out)
+    report["dynamics"] = dynamics(df, results, out, comparisons)
     bar.update(1, done="training dynamics read from the run records")
     fit = None
     if law is not None:
@@ -753,7 +767,10 @@ def _dynamics_markdown(dyn: dict[str, Any] | None) -> list[str]:
            else "")
         + "; mean +- standard error over seeds. Spikes: logged training steps after warmup"
         f" whose loss exceeds the median of the {dyn['spike_window']} logged losses before it"
-        f" by more than {dyn['spike_threshold']:g} nats. Gradient norm (before clipping):"
+        f" by more than {dyn['spike_threshold']:g} nats; spikes vs dense: the same rule on"
+        " the loss minus the FLOP-matched dense run's at the same step (same seed, so the"
+        f" same batches) with {dyn.get('paired_spike_threshold', 0.2):g} nats. Gradient norm"
+        " (before clipping):"
         " largest and 99th percentile of the logged steps after warmup. Residual RMS of the"
         " last block at init (the run's model rebuilt from its config with its seed, on"
         f" {'; '.join(sources) or 'no config'}) and at the last evaluation; every block in"
@@ -762,14 +779,16 @@ def _dynamics_markdown(dyn: dict[str, Any] | None) -> list[str]:
         " of the number of sparse blocks a token passes through (its mean is fixed by the"
         " capacity); the whole histogram in `depth_hist.png`.",
         "",
-        "| C | T | width | configuration | seeds | spikes | max grad norm | p99 grad norm |"
-        " last-block RMS init | last-block RMS end | coverage | depth sd | Jaccard |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| C | T | width | configuration | seeds | spikes | spikes vs dense | max grad norm |"
+        " p99 grad norm | last-block RMS init | last-block RMS end | coverage | depth sd |"
+        " Jaccard |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in dyn["configs"]:
         lines.append(
             f"| {c['tier']:.2g} | {c['context']} | {c['width']} | {c['config']} | {c['n']} |"
-            f" {_pm(c['spikes'], '.2f')} | {_pm(c['grad_norm_max'], '.3f')} |"
+            f" {_pm(c['spikes'], '.2f')} | {_pm(c.get('paired_spikes'), '.2f')} |"
+            f" {_pm(c['grad_norm_max'], '.3f')} |"
             f" {_pm(c['grad_norm_p99'], '.3f')} | {_pm(c['residual_rms_init'], 'sig3', -1)} |"
             f" {_pm(c['residual_rms_end'], 'sig3', -1)} | {_pm(c['coverage_mean'], '.3f')} |"
             f" {_pm(c['sparse_depth_sd'], '.3f')} | {_pm(c['jaccard_mean'], '.3f')} |"
