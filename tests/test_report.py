@@ -170,6 +170,32 @@ def test_headline_is_the_most_seeded_configuration_per_cell(tmp_path: Path) -> N
     assert "| 512 | 3e+13 | 128 | - (2 configurations with 1 seeds) | - |" in md
 
 
+def test_mechanism_effects_are_paired_within_seed(tmp_path: Path) -> None:
+    """Gating {variance_scaled, sigmoid} x balancing {on, off}, three seeds, no lr
+    column: sigmoid is worse by 0.019, 0.020, 0.021 (seed 0-2) whatever the balancing,
+    switching balancing off is better by 0.010 exactly; anchors never vary."""
+    base = {"stride": 8, "capacity": 0.125}
+    rows = []
+    for seed in range(3):
+        rows.append(_row("dense", 128, 1e13, 5.0 + seed, seed=seed))
+        for gating, g_gap in (("variance_scaled", 0.0), ("sigmoid", 0.019 + 0.001 * seed)):
+            for bal, b_gap in ((0.01, 0.0), (0.0, -0.01)):
+                loss = 5.0 + seed + 0.01 + g_gap + b_gap
+                rows.append(_row("xmod", 128, 1e13, loss, seed=seed, gating=gating,
+                                 balance_coef=bal, **base))
+    rep = sweep_report_table(pd.DataFrame(rows), tmp_path)
+    eff = {(m["factor"], m["level"]): m for m in rep["mechanisms"]}
+    assert set(eff) == {("gating", "sigmoid"), ("balancing", "off")}
+    sig = eff[("gating", "sigmoid")]
+    assert sig["reference"] == "variance_scaled" and (sig["pairs"], sig["seeds"]) == (6, 3)
+    assert sig["mean"] == pytest.approx(0.020) and sig["se"] == pytest.approx(0.001 / 3**0.5)
+    assert sig["resolved"]
+    off = eff[("balancing", "off")]
+    assert off["mean"] == pytest.approx(-0.010) and off["pairs"] == 6
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| gating | sigmoid | variance_scaled | 6 | 3 | +0.020 +- 0.001 |" in md
+
+
 def sweep_report_table(df: pd.DataFrame, tmp_path: Path) -> dict:
     path = tmp_path / "results.csv"
     df.to_csv(path, index=False)

@@ -269,6 +269,73 @@ def _law_answer(fit: LawFit, df: pd.DataFrame, context: int, tier: float, width:
     }
 
 
+# Mechanisms an ablation varies, each with its reference level (the X-MoD default):
+# a contrast is (other level) minus (reference), all else equal.
+FACTORS = {
+    "gating": ("variance_scaled", lambda r: str(r["gating"])),
+    "balancing": ("on", lambda r: "on" if float(r["balance_coef"]) > 0 else "off"),
+    "anchors": ("every S-th block", lambda r: "first block only" if _first_anchor_only(r)
+                else "every S-th block"),
+}
+_MATCH = ["tier", "context", "width", "family", "stride", "capacity", "lr", "seed"]
+
+
+def mechanism_effects(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
+    """What each mechanism the sweep varies does, all else equal: a factorial
+    ablation's main effects, paired by seed.
+
+    For a factor (:data:`FACTORS`) with a level other than its reference, each
+    routed run at that level is matched with the run at the reference level that
+    differs in that factor only (same other mechanisms, budget, context, width,
+    stride, capacity, learning rate and seed); the contrast is the difference of
+    their differences to dense, i.e. of their losses. Contrasts are averaged over
+    the matched cells within each seed first, then summarised as mean +- standard
+    error over seeds with a t-interval: seeds are the independent draws (cells of
+    one seed share its data order and its dense run). Negative: the level is
+    better than the reference.
+    """
+    from scipy.stats import t as student_t
+
+    routed = comparisons[comparisons["family"] != "moe"]
+    if routed.empty:
+        return []
+    rows = [r for _, r in routed.iterrows()]
+    levels = {name: [get(r) for r in rows] for name, (_, get) in FACTORS.items()}
+    out = []
+    for name, (ref_level, _) in FACTORS.items():
+        present = sorted(set(levels[name]) - {ref_level})
+        if ref_level not in levels[name] or not present:
+            continue
+        others = [f for f in FACTORS if f != name]
+
+        def key(i: int, others: list[str] = others) -> tuple[Any, ...]:
+            r = rows[i]
+            return (*(None if pd.isna(r[k]) else r[k] for k in _MATCH),
+                    *(levels[f][i] for f in others))
+
+        ref = {key(i): rows[i]["delta"] for i in range(len(rows)) if levels[name][i] == ref_level}
+        for level in present:
+            by_seed: dict[Any, list[float]] = {}
+            for i in range(len(rows)):
+                if levels[name][i] == level and key(i) in ref:
+                    by_seed.setdefault(rows[i]["seed"], []).append(rows[i]["delta"] - ref[key(i)])
+            if not by_seed:
+                continue
+            d = np.array([np.mean(v) for v in by_seed.values()])
+            n = len(d)
+            se = float(d.std(ddof=1) / np.sqrt(n)) if n > 1 else None
+            half = float(student_t.ppf(0.975, n - 1) * se) if se is not None else None
+            mean = float(d.mean())
+            ci = [mean - half, mean + half] if half is not None else None
+            out.append({
+                "factor": name, "level": level, "reference": ref_level,
+                "pairs": int(sum(len(v) for v in by_seed.values())), "seeds": n,
+                "mean": mean, "se": se, "ci95": ci,
+                "resolved": bool(ci is not None and (ci[0] > 0 or ci[1] < 0)),
+            })
+    return out
+
+
 def _first_anchor_only(row: dict[str, Any]) -> bool:
     layout = str(row.get("layout") or "")
     return len(layout) > 1 and set(layout[1:]) == {"s"} and int(row["stride"]) < len(layout)
@@ -470,6 +537,7 @@ def sweep_report(
         "dynamics": None,
         "law": None,
         "headline": [],
+        "mechanisms": [],
     }
     if not comparisons.empty:
         report["vs_dense"] = {
@@ -483,6 +551,7 @@ def sweep_report(
             for key, g in comparisons.groupby(list(CONFIG_KEYS), dropna=False)
         }
         report["paired"] = paired(comparisons)
+        report["mechanisms"] = mechanism_effects(comparisons)
     if "val_loss_causal" in df.columns:
         routed = df[(df["stride"] > 1) & (df["capacity"] < 1)]
         gap = pd.to_numeric(routed["val_loss_causal"], errors="coerce") - routed["val_loss"]
@@ -584,6 +653,24 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
                 f"| {p['tier']:.2g} | {p['context']} | {p['width']} | {p['config']} | {p['n']} |"
                 f" {p['mean']:+.3f}{se} | {ci} | {'yes' if p['resolved'] else 'no'} |"
                 f" {p['mean_topk']:+.3f} |"
+            )
+    if report.get("mechanisms"):
+        lines += [
+            "", "### Mechanisms, all else equal", "",
+            "Each level minus the reference level of one mechanism, the other mechanisms,"
+            " budget, context, width, learning rate and seed held equal (causal loss, nats);"
+            " averaged over the matched cells within a seed, then mean +- standard error over"
+            " seeds. Negative: the level is better than the reference.", "",
+            "| mechanism | level | reference | matched pairs | seeds | mean +- SE |"
+            " 95% interval | resolved |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for m in report["mechanisms"]:
+            se = f" +- {m['se']:.3f}" if m["se"] is not None else " (1 seed)"
+            ci = f"[{m['ci95'][0]:+.3f}, {m['ci95'][1]:+.3f}]" if m["ci95"] else "-"
+            lines.append(
+                f"| {m['factor']} | {m['level']} | {m['reference']} | {m['pairs']} | {m['seeds']} |"
+                f" {m['mean']:+.3f}{se} | {ci} | {'yes' if m['resolved'] else 'no'} |"
             )
     if report["learning_rates"]:
         lines += ["", "## Peak learning rate", "",
