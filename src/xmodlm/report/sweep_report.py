@@ -180,30 +180,31 @@ def _summary(delta: pd.Series) -> dict[str, Any]:
     }
 
 
-def paired(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
-    """Each configuration's paired difference to dense over its seeds.
-
-    Mean +- standard error and the 95% t-interval (n - 1 degrees of freedom);
-    ``resolved`` only when n >= 2 and the interval excludes zero. One seed gives
-    a difference with no error bar: reported, never resolved.
-    """
+def over_seeds(d: np.ndarray) -> dict[str, Any]:
+    """Mean +- standard error of per-seed values and the 95% t-interval (n - 1
+    degrees of freedom); ``resolved`` only when n >= 2 and the interval excludes
+    zero. One seed gives a value with no error bar: reported, never resolved."""
     from scipy.stats import t as student_t
 
+    n = len(d)
+    mean = float(np.mean(d))
+    se = float(np.std(d, ddof=1) / np.sqrt(n)) if n > 1 else None
+    half = float(student_t.ppf(0.975, n - 1) * se) if se is not None else None
+    ci = [mean - half, mean + half] if half is not None else None
+    return {"n": n, "mean": mean, "se": se, "ci95": ci,
+            "resolved": bool(ci is not None and (ci[0] > 0 or ci[1] < 0))}
+
+
+def paired(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
+    """Each configuration's paired difference to dense over its seeds (:func:`over_seeds`)."""
     out = []
     keys = list(PAIR_KEYS)
     for key, g in comparisons.groupby(keys, dropna=False, sort=True):
-        d = g["delta"].to_numpy(float)
-        n = len(d)
-        mean = float(d.mean())
-        se = float(d.std(ddof=1) / np.sqrt(n)) if n > 1 else None
-        half = float(student_t.ppf(0.975, n - 1) * se) if se is not None else None
-        ci = [mean - half, mean + half] if half is not None else None
         row = dict(zip(keys, key, strict=True))
         out.append({
             "config": _run_label(row), "family": str(row["family"]),
             "tier": float(row["tier"]), "context": int(row["context"]), "width": int(row["width"]),
-            "n": n, "seeds": sorted(int(x) for x in g["seed"]), "mean": mean, "se": se,
-            "ci95": ci, "resolved": bool(ci is not None and (ci[0] > 0 or ci[1] < 0)),
+            "seeds": sorted(int(x) for x in g["seed"]), **over_seeds(g["delta"].to_numpy(float)),
             "mean_topk": float(g["delta_topk"].mean()),
         })
     return out
@@ -294,8 +295,6 @@ def mechanism_effects(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
     one seed share its data order and its dense run). Negative: the level is
     better than the reference.
     """
-    from scipy.stats import t as student_t
-
     routed = comparisons[comparisons["family"] != "moe"]
     if routed.empty:
         return []
@@ -321,17 +320,11 @@ def mechanism_effects(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
                     by_seed.setdefault(rows[i]["seed"], []).append(rows[i]["delta"] - ref[key(i)])
             if not by_seed:
                 continue
-            d = np.array([np.mean(v) for v in by_seed.values()])
-            n = len(d)
-            se = float(d.std(ddof=1) / np.sqrt(n)) if n > 1 else None
-            half = float(student_t.ppf(0.975, n - 1) * se) if se is not None else None
-            mean = float(d.mean())
-            ci = [mean - half, mean + half] if half is not None else None
+            stats = over_seeds(np.array([np.mean(v) for v in by_seed.values()]))
             out.append({
                 "factor": name, "level": level, "reference": ref_level,
-                "pairs": int(sum(len(v) for v in by_seed.values())), "seeds": n,
-                "mean": mean, "se": se, "ci95": ci,
-                "resolved": bool(ci is not None and (ci[0] > 0 or ci[1] < 0)),
+                "pairs": int(sum(len(v) for v in by_seed.values())), "seeds": stats["n"],
+                **stats,
             })
     return out
 
@@ -587,6 +580,13 @@ def sweep_report(
     return report
 
 
+def _over_seeds_cells(stat: dict[str, Any]) -> str:
+    """``mean +- SE | 95% interval | resolved`` of an :func:`over_seeds` summary."""
+    se = f" +- {stat['se']:.3f}" if stat["se"] is not None else " (1 seed)"
+    ci = f"[{stat['ci95'][0]:+.3f}, {stat['ci95'][1]:+.3f}]" if stat["ci95"] else "-"
+    return f"{stat['mean']:+.3f}{se} | {ci} | {'yes' if stat['resolved'] else 'no'}"
+
+
 def _fmt(x: float) -> str:
     return f"{x:+.3f}"
 
@@ -647,12 +647,9 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for p in report["paired"]:
-            se = f" +- {p['se']:.3f}" if p["se"] is not None else " (1 seed)"
-            ci = f"[{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}]" if p["ci95"] else "-"
             lines.append(
                 f"| {p['tier']:.2g} | {p['context']} | {p['width']} | {p['config']} | {p['n']} |"
-                f" {p['mean']:+.3f}{se} | {ci} | {'yes' if p['resolved'] else 'no'} |"
-                f" {p['mean_topk']:+.3f} |"
+                f" {_over_seeds_cells(p)} | {p['mean_topk']:+.3f} |"
             )
     if report.get("mechanisms"):
         lines += [
@@ -666,11 +663,9 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
             "|---|---|---|---|---|---|---|---|",
         ]
         for m in report["mechanisms"]:
-            se = f" +- {m['se']:.3f}" if m["se"] is not None else " (1 seed)"
-            ci = f"[{m['ci95'][0]:+.3f}, {m['ci95'][1]:+.3f}]" if m["ci95"] else "-"
             lines.append(
                 f"| {m['factor']} | {m['level']} | {m['reference']} | {m['pairs']} | {m['seeds']} |"
-                f" {m['mean']:+.3f}{se} | {ci} | {'yes' if m['resolved'] else 'no'} |"
+                f" {_over_seeds_cells(m)} |"
             )
     if report["learning_rates"]:
         lines += ["", "## Peak learning rate", "",
