@@ -47,7 +47,7 @@ def test_preset_builds_and_steps(name: str) -> None:
         loss = out.total_loss
         loss.backward()
         assert torch.isfinite(loss)
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step == 0:
             for pname, p in model.named_parameters():
                 # an expert may receive no token of so short a batch; everything else must learn
