@@ -308,3 +308,20 @@ def test_a_family_may_run_at_some_contexts_only(tiny_data_dir: Path, tmp_path: P
     bad = _spec(tmp_path, tiny_data_dir, families, context=[32, 64], compute={32: [2.0e9]})
     with pytest.raises(UserError, match="give each context its budgets"):
         load_spec(bad)  # the spec's own budgets must cover every context
+
+
+def test_sweep_eta_weighs_runs_by_compute(monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture) -> None:
+    """Three runs of 1, 3 and 1 units of compute: when the first (1 unit) ends after
+    60 s, 4 units are left, so 4 minutes; counting runs would say 2."""
+    from xmodlm.sweep import runner
+
+    clock = iter([0.0, 60.0, 120.0])
+    monkeypatch.setattr(runner.time, "time", lambda: next(clock))
+    bar = runner.Progress(3, 0, costs={"a": 1e12, "b": 3e12, "c": 1e12})
+    bar.running = 2
+    bar.finished("a", failed=False)
+    bar.finished("b", failed=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["sweep: 1/3 done, 2 running, 0 failed, ETA 4.0 min",
+                     "sweep: 1/3 done, 2 running, 1 failed, ETA 0.5 min"]

@@ -188,13 +188,23 @@ def _same_run(old: Any, new: Any, defaults: Any) -> bool:
 
 
 class Progress:
-    """A one-line live display: done / running / failed and an ETA."""
+    """A one-line live display: done / running / failed and an ETA.
 
-    def __init__(self, total: int, done: int, enabled: bool = True) -> None:
+    The ETA weighs runs by their compute budgets (``costs``: FLOPs of each run
+    to do): a sweep's runs differ by tiers several times apart, so counting runs
+    would misjudge the time left by as much. It is the time so far times the
+    FLOPs left over the FLOPs finished in this invocation.
+    """
+
+    def __init__(
+        self, total: int, done: int, enabled: bool = True, costs: dict[str, float] | None = None,
+    ) -> None:
         self.total, self.done, self.failed, self.running = total, done, 0, 0
         self.enabled = enabled
         self.t0 = time.time()
-        self.finished_here = 0
+        self.costs = dict(costs or {})
+        self.cost_left = sum(self.costs.values())
+        self.cost_done = 0.0
         # on a terminal the line redraws in place; piped to a log, a plain line is
         # written only when the counts change (not every few seconds)
         self.live = sys.stderr.isatty()
@@ -207,13 +217,23 @@ class Progress:
             return
         self.shown = counts
         elapsed = time.time() - self.t0
-        left = self.total - self.done - self.failed
-        eta = elapsed / self.finished_here * left if self.finished_here else float("nan")
+        eta = elapsed * self.cost_left / self.cost_done if self.cost_done > 0 else float("nan")
         eta_s = "?" if eta != eta else f"{eta / 60:.1f} min"
         line = (f"sweep: {self.done}/{self.total} done, {self.running} running,"
                 f" {self.failed} failed, ETA {eta_s}")
         sys.stderr.write(f"\r{line}   " if self.live else f"{line}\n")
         sys.stderr.flush()
+
+    def finished(self, run_id: str, failed: bool) -> None:
+        """Count a run that ended here (done or failed) and show the new counts."""
+        if failed:
+            self.failed += 1
+        else:
+            self.done += 1
+        cost = self.costs.pop(run_id, 0.0)
+        self.cost_left -= cost
+        self.cost_done += cost
+        self.update(self.running)
 
     def close(self) -> None:
         if self.enabled and self.live:
@@ -249,7 +269,7 @@ def run_sweep(
     cores = os.cpu_count() or 1
     workers = max(1, workers or 1)
     threads = max(1, cores // workers)
-    todo, done = [], 0
+    todo, done, costs = [], 0, {}
     runs = adopt_earlier_runs(runs, out / "runs")
     for r in runs:
         state, attempts = run_state(out / "runs" / r.run_id, needs_eval=bool(eval_args))
@@ -258,7 +278,8 @@ def run_sweep(
         elif attempts <= max_retries:
             todo.append(Job(r.run_id, str(out / "runs" / r.run_id), r.cfg.to_yaml(), threads,
                             tuple(eval_args)))
-    bar = Progress(len(runs), done, enabled=progress)
+            costs[r.run_id] = float(r.compute)
+    bar = Progress(len(runs), done, enabled=progress, costs=costs)
     outcomes: list[dict[str, Any]] = []
     for outcome in engine.submit(todo, bar, threads):
         outcomes.append(outcome)
@@ -266,12 +287,9 @@ def run_sweep(
         if outcome["status"] == "failed":
             _, attempts = run_state(run, needs_eval=bool(eval_args))
             atomic_write_json(run / "failure.json", {**outcome, "attempts": attempts + 1})
-            bar.failed += 1
         else:
             (run / "failure.json").unlink(missing_ok=True)
-            bar.done += 1
-        bar.finished_here += 1
-        bar.update(bar.running)
+        bar.finished(outcome["run_id"], failed=outcome["status"] == "failed")
     bar.close()
     return {"total": len(runs), "skipped": done, "ran": len(outcomes),
             "failed": sum(o["status"] == "failed" for o in outcomes),
