@@ -325,3 +325,25 @@ def test_sweep_eta_weighs_runs_by_compute(monkeypatch: pytest.MonkeyPatch,
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["sweep: 1/3 done, 2 running, 0 failed, ETA 4.0 min",
                      "sweep: 1/3 done, 2 running, 1 failed, ETA 0.5 min"]
+
+
+def test_run_set_changes_how_runs_execute_not_their_ids(tiny_data_dir: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """--run-set passes execution settings to every run under the spec's ids; a setting
+    that changes what is trained is refused with one line, before any work."""
+    spec = _spec(tmp_path, tiny_data_dir, [{"family": "dense"}])
+    (run,) = expand(load_spec(spec))
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(spec), "--out", str(out), "--quiet",
+                 "--run-set", "train.log_every=1", "--run-set", "train.ckpt_every=2"]) == 0
+    cfg = yaml.safe_load((out / "runs" / run.run_id / "config.yaml").read_text())
+    assert (cfg["train"]["log_every"], cfg["train"]["ckpt_every"]) == (1, 2)
+    assert run.cfg.train.log_every != 1  # the spec's config, whose hash is the id
+    capsys.readouterr()
+    for bad in ("train.lr=1e-3", "model.d_model=64", "train.log_every"):
+        assert main(["sweep", str(spec), "--out", str(tmp_path / "x"), "--dry-run",
+                     "--run-set", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--run-set" in err and "train.compile" in err and len(err.strip().splitlines()) == 1
+    assert main(["sweep", str(spec), "--dry-run", "--run-set", "train.compile=sometimes"]) == 2
+    assert "compile" in capsys.readouterr().err

@@ -292,7 +292,12 @@ def _train_tokens(runs: list) -> int | None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from xmodlm.sweep import expand, load_spec, run_sweep, write_results
-    from xmodlm.sweep.runner import check_options, make_executor, parse_executor_options
+    from xmodlm.sweep.runner import (
+        check_options,
+        check_run_set,
+        make_executor,
+        parse_executor_options,
+    )
     from xmodlm.sweep.spec import (
         check_requirements,
         estimate_seconds,
@@ -316,6 +321,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         _check_out_dir(args.out)
     spec = load_spec(args.spec)
     runs = expand(spec, data_dir=args.data)
+    if runs:
+        check_run_set(args.run_set, runs[0].cfg)
     figures, broken = check_requirements(
         runs, spec["require"], _train_tokens(runs), strict=not args.dry_run
     )
@@ -348,7 +355,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     result = run_sweep(
         runs, args.out, executor=args.executor, workers=args.workers,
         max_retries=args.max_retries, progress=not args.quiet, eval_args=eval_args(spec),
-        **options,
+        run_set=args.run_set, **options,
     )
     path, n_rows, left_out = write_results(args.out)
     print(f"{result['ran']} ran, {result['skipped']} already done, {result['failed']} failed,"
@@ -692,6 +699,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-from", default=None, metavar="SWEEP_DIR",
                    help="with --dry-run: estimate times from the FLOP/s that this sweep folder's"
                    " finished runs reached (default: --out's own finished runs, if any)")
+    p.add_argument("--run-set", action="append", default=[], metavar="train.KEY=VALUE",
+                   help="a setting of how the runs execute, for this invocation only and"
+                   " without changing run ids (repeatable): train.compile=on,"
+                   " train.device=cuda, train.ckpt_every=..., trackers")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.set_defaults(func=cmd_sweep)
 

@@ -24,16 +24,19 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_json, atomic_write_text
 from xmodlm.record import EVAL_FILE
 from xmodlm.sweep.spec import RunSpec
+
+if TYPE_CHECKING:
+    from xmodlm.config import Config
 
 ERROR_TAIL_LINES = 20
 
@@ -66,6 +69,7 @@ class Job:
     config_yaml: str
     threads: int
     eval_args: tuple[str, ...] = ()  # ``xmod eval`` options; empty: no evaluation
+    run_set: tuple[str, ...] = ()  # ``--set`` overrides of how the run executes (check_run_set)
 
 
 def _trained_status(run: Path) -> str | None:
@@ -95,7 +99,8 @@ def run_job(job: Job) -> dict[str, Any]:
     t0 = time.time()
     outcome: dict[str, Any] = {"run_id": job.run_id, "returncode": 0}
     if _trained_status(run) != "ok":
-        cmd = [sys.executable, "-m", "xmodlm", "train", str(cfg_path), "--out", str(run), "--quiet"]
+        cmd = [sys.executable, "-m", "xmodlm", "train", str(cfg_path), "--out", str(run), "--quiet",
+               *(arg for item in job.run_set for arg in ("--set", item))]
         with open(log_path, "a") as log:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         outcome["returncode"] = proc.returncode
@@ -114,6 +119,35 @@ def run_job(job: Job) -> dict[str, Any]:
         atomic_write_text(run / EVAL_FILE, proc.stdout)
     outcome["wall_s"] = time.time() - t0
     return outcome
+
+
+def check_run_set(items: Sequence[str], cfg: Config) -> tuple[str, ...]:
+    """The ``--run-set`` overrides, checked: settings of how runs execute, not of
+    what they train.
+
+    A run's id hashes its configuration, so changing any setting in the spec
+    makes new runs. The train settings that a resumed run may change freely
+    (:data:`xmodlm.train.trainer.RESUME_FREE`: device, compile, logging and
+    checkpoint cadence, trackers) do not change what is trained; these may be set
+    per invocation instead, passed to every run's ``xmod train`` (``--set``), so
+    that a committed sweep can be resumed compiled, or on a GPU, under the same
+    ids. Each value is checked on ``cfg`` (one of the sweep's run configs).
+    """
+    from xmodlm.train.trainer import RESUME_FREE
+
+    allowed = ", ".join(f"train.{k}" for k in sorted(RESUME_FREE))
+    for item in items:
+        key = item.split("=", 1)[0].strip()
+        section, _, name = key.partition(".")
+        if "=" not in item or section != "train" or name not in RESUME_FREE:
+            raise UserError(
+                f"--run-set {item!r}: only settings that do not change what is trained may be"
+                f" set for one invocation (KEY=VALUE with KEY one of {allowed}); put the others"
+                " in the spec's set"
+            )
+    if items:
+        cfg.merge(list(items)).validate()
+    return tuple(items)
 
 
 def run_state(run_dir: Path, needs_eval: bool = False) -> tuple[str, int]:
@@ -248,13 +282,15 @@ def run_sweep(
     max_retries: int = 2,
     progress: bool = True,
     eval_args: tuple[str, ...] = (),
+    run_set: Sequence[str] = (),
     **options: Any,
 ) -> dict[str, Any]:
     """Run every unfinished run of a sweep; return counts and each run's outcome.
 
     ``eval_args``: ``xmod eval`` options (:func:`xmodlm.sweep.spec.eval_args`); each
     run's final checkpoint is then evaluated right after training, into
-    ``RUN/eval.json``, while the checkpoint is on this machine.
+    ``RUN/eval.json``, while the checkpoint is on this machine. ``run_set``:
+    overrides of how the runs execute (:func:`check_run_set`), ids unchanged.
 
     ``options``: the executor's own (:data:`EXECUTORS`: ``address`` for ray;
     ``folder``, ``params``, ``local`` for slurm). Options and data directories are
@@ -262,6 +298,7 @@ def run_sweep(
     diverge again) but counted apart.
     """
     check_options(executor, workers, max_retries)
+    run_set = check_run_set(run_set, runs[0].cfg) if runs else ()
     engine = make_executor(executor, workers, **options)
     check_data(runs)
     out = Path(out_dir)
@@ -277,7 +314,7 @@ def run_sweep(
             done += 1
         elif attempts <= max_retries:
             todo.append(Job(r.run_id, str(out / "runs" / r.run_id), r.cfg.to_yaml(), threads,
-                            tuple(eval_args)))
+                            tuple(eval_args), run_set))
             costs[r.run_id] = float(r.compute)
     bar = Progress(len(runs), done, enabled=progress, costs=costs)
     outcomes: list[dict[str, Any]] = []
