@@ -223,8 +223,9 @@ def headline(
     over seeds, resolved or not). The headline configuration is the family's
     one with the most seeds in the cell: a study gives its headline cells the
     most seeds, and choosing the best mean instead would pick on seed noise.
-    Where several configurations share the most seeds (an ablation, a learning-rate
-    sweep) the family has no headline there: ``{"tied": k, "n": seeds}``. With a law ``fit``, each row also carries what
+    Where several configurations share the most seeds (an ablation, a
+    learning-rate sweep) the family has no headline there: ``{"tied": k, "n":
+    seeds}``. With a law ``fit``, each row also carries what
     :func:`~xmodlm.law.recommend.recommend` answers at that budget and context
     for the cell's dense model's active parameters.
     """
