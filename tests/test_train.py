@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -288,6 +289,15 @@ def test_run_dir_contents(tiny_data_dir: Path, tmp_path: Path) -> None:
     assert env["torch"] and env["cpu_count"]
     evals = [r for r in read_metrics(run) if r.get("kind") == "eval"]
     assert evals and "routing_agreement" in evals[-1] and "coverage" in evals[-1]
+    # the model as initialised is evaluated before any update: loss about ln V
+    assert [e["step"] for e in evals] == [0, 3]
+    assert abs(evals[0]["val_loss_topk"] - math.log(300)) < 0.5
+    assert len(evals[0]["residual_rms"]) == 4
+    from xmodlm.report.dynamics import run_dynamics
+
+    dyn = run_dynamics(run)
+    assert dyn["residual_rms_init"] == evals[0]["residual_rms"]
+    assert dyn["init_tokens"] == "the trainer's evaluation at step 0, on validation data"
     shutil.rmtree(run)
 
 

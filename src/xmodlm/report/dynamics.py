@@ -16,9 +16,10 @@ gate trains stably or keeps the residual stream in check. Per run, from its
 * **gradient-norm peaks**: the largest and the 99th-percentile gradient norm
   (before clipping, as the trainer logs it) of the logged steps after warmup;
 * **residual RMS per block**, at the end (the last evaluation's ``residual_rms``)
-  and at initialisation, which no record holds (the first evaluation comes after
-  training has started): it is measured on the model rebuilt from the run's
-  config under the trainer's seeding (:func:`init_residual_rms`);
+  and at initialisation: the trainer's evaluation at step 0 where the run has one
+  (:func:`init_eval`), else, for runs trained before it logged one, measured on
+  the model rebuilt from the run's config under the trainer's seeding
+  (:func:`init_residual_rms`, with the code checked out now);
 * **routing at the end**: coverage, per-token sparse-depth histogram and the
   Jaccard overlap of consecutive sparse blocks, from the last evaluation
   (routed runs only).
@@ -83,6 +84,9 @@ INIT_BATCH = 4
 a few sequences is enough for a per-block mean over hundreds of tokens, and keeps
 the report cheap (one small model per distinct configuration and seed)."""
 
+INIT_RECORDED = "the trainer's evaluation at step 0, on validation data"
+"""Where a run's residual RMS at initialisation came from when its record has it."""
+
 INIT_TOKEN_SEED = 0
 """Generator seed of the random tokens used when the run's data directory is absent."""
 
@@ -96,6 +100,12 @@ def last_eval(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The last evaluation record, or None when the run logged none."""
     evals = [r for r in records if r.get("kind") == "eval"]
     return evals[-1] if evals else None
+
+
+def init_eval(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The evaluation the trainer logs at step 0, before any update (runs trained
+    before it did so have none), or None."""
+    return next((r for r in records if r.get("kind") == "eval" and r.get("step") == 0), None)
 
 
 def _after_warmup(rows: Sequence[dict[str, Any]], warmup: int) -> list[int]:
@@ -274,7 +284,11 @@ def run_dynamics(
         out[key] = end.get(key)
     hist = out["depth_hist"]
     out["sparse_depth_sd"] = sparse_depth_sd(hist) if hist else None
-    if cfg is not None:
+    start = init_eval(records)
+    if start is not None and start.get("residual_rms"):
+        out["residual_rms_init"] = start["residual_rms"]
+        out["init_tokens"] = INIT_RECORDED
+    elif cfg is not None:
         key = (repr(dataclasses.astuple(cfg.model)), cfg.train.seed, cfg.data.dir,
                cfg.data.val_batches, cfg.train.batch_size)
         if cache is None or key not in cache:
@@ -284,7 +298,8 @@ def run_dynamics(
                 cache[key] = value
         else:
             value = cache[key]
-        out["residual_rms_init"], out["init_tokens"] = value
+        out["residual_rms_init"] = value[0]
+        out["init_tokens"] = f"the model rebuilt from the run's config and seed, on {value[1]}"
     return out
 
 

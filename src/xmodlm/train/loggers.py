@@ -60,7 +60,8 @@ class MetricLogger:
             print(message, file=sys.stderr, flush=True)
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop records past the checkpoint so no step is logged twice."""
+        """On resume, drop records past the checkpoint so no step is logged twice; at
+        step 0 (no checkpoint) drop them all, the evaluation at initialisation too."""
         if not self.enabled or not self.path.is_file():
             return
         kept = []
@@ -69,7 +70,7 @@ class MetricLogger:
                 record = json.loads(line)
             except ValueError:  # torn by a kill mid-write (the last line), or blank
                 continue
-            if isinstance(record, dict) and record.get("step", 0) <= step:
+            if isinstance(record, dict) and step > 0 and record.get("step", 0) <= step:
                 kept.append(line)
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 

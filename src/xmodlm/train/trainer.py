@@ -365,6 +365,13 @@ def train(
             logger.note(_echo(cfg, counts, budget, device, dtype, ddp, state.step, run))
         stop = _StopFlag()
         logger.start(budget.total_steps, state.step)
+        if state.step == 0 and (ddp.is_main or sharded):
+            # the model as initialised, measured like every later evaluation: its
+            # loss (about ln V), the residual stream per block and the routing, under
+            # the code this run trains with (a report rebuilding the initial model
+            # later would use the code checked out then). No RNG is drawn.
+            logger.log({"step": 0, "tokens": 0, "kind": "eval",
+                        **evaluate(model, fixed_val, device, dtype, manifest)})
         status = "ok"
         t_run = time.perf_counter() - state.wall_s
         with stop.installed():
