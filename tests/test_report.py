@@ -196,6 +196,23 @@ def test_mechanism_effects_are_paired_within_seed(tmp_path: Path) -> None:
     assert "| gating | sigmoid | variance_scaled | 6 | 3 | +0.020 +- 0.001 |" in md
 
 
+def test_downstream_tasks_are_paired_with_dense(tmp_path: Path) -> None:
+    """Cloze accuracy of X-MoD minus its dense run: +0.02, +0.04, +0.03 over three seeds;
+    a run without the task (never evaluated) adds nothing."""
+    x = {"stride": 8, "capacity": 0.125, "gating": "variance_scaled", "balance_coef": 0.01}
+    rows = []
+    for seed, gain in enumerate([0.02, 0.04, 0.03]):
+        rows += [_row("dense", 128, 1e13, 5.0, seed=seed, task_cloze=0.5),
+                 _row("xmod", 128, 1e13, 5.0, seed=seed, task_cloze=0.5 + gain, **x)]
+    rows.append(_row("mod", 128, 1e13, 5.0, seed=0, stride=2, capacity=0.125, gating="logit"))
+    rep = sweep_report_table(pd.DataFrame(rows), tmp_path)
+    (cloze,) = rep["tasks"]
+    assert cloze["task"] == "cloze" and cloze["n"] == 3 and cloze["config"].startswith("xmod S=8")
+    assert cloze["mean"] == pytest.approx(0.03) and cloze["se"] == pytest.approx(0.01 / 3**0.5)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| cloze | 3 | +0.030 +- 0.006 |" in md
+
+
 def sweep_report_table(df: pd.DataFrame, tmp_path: Path) -> dict:
     path = tmp_path / "results.csv"
     df.to_csv(path, index=False)

@@ -127,6 +127,11 @@ def _tiers(compute: np.ndarray) -> np.ndarray:
     return np.array([float(f"{10**c:.2g}") for c in centers])
 
 
+def _task_columns(df: pd.DataFrame) -> list[str]:
+    """The downstream-task accuracy columns of a results table (``task_<name>``)."""
+    return sorted(c for c in df.columns if c.startswith("task_"))
+
+
 def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     """One row per non-dense run with its FLOP-matched dense reference; and the unmatched count."""
     dense = df[df["family"] == "dense"]
@@ -165,6 +170,8 @@ def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
                 "compute_ratio": run["compute"] / ref["compute"],
                 "run_id": run.get("run_id"),
                 "dense_run_id": ref.get("run_id"),
+                **{f"delta_{k}": float(run[k]) - float(ref[k]) for k in _task_columns(df)
+                   if pd.notna(run.get(k)) and pd.notna(ref.get(k))},
             }
         )
     return pd.DataFrame(rows), unmatched
@@ -207,6 +214,24 @@ def paired(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
             "seeds": sorted(int(x) for x in g["seed"]), **over_seeds(g["delta"].to_numpy(float)),
             "mean_topk": float(g["delta_topk"].mean()),
         })
+    return out
+
+
+def paired_tasks(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
+    """Each configuration's downstream-task accuracy minus its dense run's, over seeds
+    (:func:`over_seeds`), per task evaluated on both (``task_<name>`` columns, from
+    each run's ``eval.json``). Positive: the routed model is better."""
+    tasks = sorted(c[len("delta_"):] for c in comparisons.columns if c.startswith("delta_task_"))
+    out = []
+    keys = list(PAIR_KEYS)
+    for key, g in comparisons.groupby(keys, dropna=False, sort=True):
+        row = dict(zip(keys, key, strict=True))
+        for task in tasks:
+            d = g[f"delta_{task}"].dropna().to_numpy(float)
+            if len(d):
+                out.append({"config": _run_label(row), "tier": float(row["tier"]),
+                            "context": int(row["context"]), "width": int(row["width"]),
+                            "task": task[len("task_"):], **over_seeds(d)})
     return out
 
 
@@ -532,6 +557,7 @@ def sweep_report(
         "law": None,
         "headline": [],
         "mechanisms": [],
+        "tasks": [],
     }
     if not comparisons.empty:
         report["vs_dense"] = {
@@ -546,6 +572,7 @@ def sweep_report(
         }
         report["paired"] = paired(comparisons)
         report["mechanisms"] = mechanism_effects(comparisons)
+        report["tasks"] = paired_tasks(comparisons)
     if "val_loss_causal" in df.columns:
         routed = df[(df["stride"] > 1) & (df["capacity"] < 1)]
         gap = pd.to_numeric(routed["val_loss_causal"], errors="coerce") - routed["val_loss"]
@@ -652,6 +679,19 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
                 f"| {p['tier']:.2g} | {p['context']} | {p['width']} | {p['config']} | {p['n']} |"
                 f" {_over_seeds_cells(p)} | {p['mean_topk']:+.3f} |"
             )
+    if report.get("tasks"):
+        lines += [
+            "", "### Downstream tasks, paired over seeds", "",
+            "Accuracy on the offline tasks (each run's final checkpoint, causal routing;"
+            " `eval.json`) minus its dense run's, mean +- standard error over seeds;"
+            " positive: the routed model is better.", "",
+            "| C | T | width | configuration | task | seeds | mean +- SE | 95% interval |"
+            " resolved |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for t in report["tasks"]:
+            lines.append(f"| {t['tier']:.2g} | {t['context']} | {t['width']} | {t['config']} |"
+                         f" {t['task']} | {t['n']} | {_over_seeds_cells(t)} |")
     if report.get("mechanisms"):
         lines += [
             "", "### Mechanisms, all else equal", "",
