@@ -418,7 +418,8 @@ def test_named_sizes_resolve() -> None:
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
     [("--sizes", "huge", "unknown size 'huge'"), ("--sizes", ",", "--sizes"),
-     ("--threads", "0", "--threads"), ("--threads", "two", "--threads")],
+     ("--threads", "0", "--threads"), ("--threads", "two", "--threads"),
+     ("--compile-modes", "jit", "compile modes jit"), ("--compile-modes", ",", "(none)")],
 )
 def test_bad_sizes_and_threads_exit_2_with_one_line(
     flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
@@ -461,3 +462,13 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_it() -> None:
     assert hardware.resolve_dtype("bf16", cpu) == "bf16"
     expected = "bf16" if hardware.cpu_has_native_bf16() else "fp32"
     assert hardware.resolve_dtype("auto", cpu) == expected
+
+
+def test_faster_mode_picks_the_fastest_of_three_and_eager_on_ties() -> None:
+    from xmodlm.bench.compile import faster_mode, parse_modes
+
+    assert faster_mode({"eager": 3.0, "compiled": 2.0, "compiled_model": 1.5}) == "compiled_model"
+    assert faster_mode({"eager": 3.0, "compiled": 2.0}) == "compiled"
+    assert faster_mode({"eager": 2.0, "compiled": 2.0, "compiled_model": 2.0}) == "eager"
+    assert parse_modes("compiled_model, compiled") == ("compiled", "compiled_model")
+    assert parse_modes(None) == ("compiled", "compiled_model")

@@ -614,7 +614,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = run_bench(
         device=args.device, quick=args.quick, reps=args.reps, include_law=not args.no_law,
         include_decode=not args.no_decode, include_compile=False if args.no_compile else None,
-        progress=not args.json, sizes=args.sizes, threads=args.threads,
+        compile_modes=args.compile_modes, progress=not args.json, sizes=args.sizes,
+        threads=args.threads,
     )
     _print_json(result)  # the figures are one JSON object either way
     return 0
@@ -848,6 +849,9 @@ def build_parser() -> argparse.ArgumentParser:
                    " (default: the current torch thread count)")
     p.add_argument("--reps", type=int, default=None, help="timed rounds (default per size)")
     p.add_argument("--no-compile", action="store_true", help="time eager models only")
+    p.add_argument("--compile-modes", default=None, metavar="LIST",
+                   help="compiled modes timed beside eager: compiled (per block),"
+                   " compiled_model (whole model, as train.compile=on); default both")
     p.add_argument("--decode-runs", default=None, metavar="RUN,RUN,...",
                    help="instead: decode speed and KV bytes of trained runs side by side"
                    " (real test prompts, causal routing; first run is the reference)")

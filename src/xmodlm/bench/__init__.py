@@ -5,14 +5,15 @@ at several sizes: the ``bench`` size (width 512, context 1024) and the small
 sizes the sweeps train (``w128-t128``, ``w128-t512``, ``w256-t256``). At each
 size, the dense model, MoD, X-MoD (S = 4 and 8, c = 1/8) and MoE, FLOP-matched
 to dense, the GPT-2 reference and the plain reference GPT take one full
-training step each per round, eager and with their blocks compiled, at each
+training step each per round, eager, with their blocks compiled and compiled
+whole (as ``train.compile=on`` runs), at each
 thread count asked for. Ratios are medians of per-round ratios.
 
 The package, by responsibility:
 
 * :mod:`~xmodlm.bench.sizes`: the sizes, the family at each, time budgets;
 * :mod:`~xmodlm.bench.step`: the timed step (the trainer's own) and the rounds;
-* :mod:`~xmodlm.bench.compile`: per-block ``torch.compile`` and which mode won;
+* :mod:`~xmodlm.bench.compile`: per-block and whole-model ``torch.compile`` and which mode won;
 * :mod:`~xmodlm.bench.gpt2`: the GPT-2-architecture reference model;
 * :mod:`~xmodlm.bench.overhead`: the profiler's share of a step spent routing;
 * :mod:`~xmodlm.bench.decode`: decode speed and the router calibration it needs;

@@ -1,28 +1,43 @@
-"""``torch.compile`` in the bench: per block, and which mode won.
+"""``torch.compile`` in the bench: per block, the whole model, and which mode won.
 
-The bench compiles block by block rather than the whole model: blocks of one
-type and shape share a compiled graph, so a 12-block model compiles in the
-time of one block; the head, loss and optimiser stay eager; and the same
-method applies to every model compared (ours and the GPT-2 reference), so a
-compiled comparison is like for like. MoE blocks stay eager: their expert
-batches have data-dependent sizes. ``torch._dynamo`` is reset between sizes,
-so that every size compiles graphs for its own static shapes instead of
-accumulating shape variants (and falling back to eager once dynamo's cache
-limit is reached).
+Two compiled modes are timed beside eager, because they answer different
+questions:
 
-Eager and compiled models are timed in the same interleaved rounds, and
-:func:`faster_mode` picks, per model, the mode with the lower median step
-time, as DESIGN 11 asks: measure both on each platform, use the faster, say
-which.
+* ``compiled`` (per block): blocks of one type and shape share a compiled
+  graph, so a 12-block model compiles in the time of one block; the head, loss
+  and optimiser stay eager. MoE blocks stay eager (their expert batches have
+  data-dependent sizes). Cheap to compile, and the same method applies to every
+  model compared (ours and the GPT-2 reference).
+* ``compiled_model`` (whole model): ``torch.compile`` of the model, forward
+  and backward as one graph with the head and loss in it, exactly what
+  ``xmod train`` runs under ``train.compile=on`` (the studies' setting) in one
+  process. Fusions cross block boundaries, so on a CPU, where each kernel pays a
+  thread barrier, it is the mode that removes the most per-op cost; MoE is
+  compiled too, with a graph break at its dropless split.
+
+``torch._dynamo`` is reset between sizes, so that every size compiles graphs
+for its own static shapes instead of accumulating shape variants (and falling
+back to eager once dynamo's cache limit is reached).
+
+All modes are timed in the same interleaved rounds, and :func:`faster_mode`
+picks, per model, the mode with the lower median step time, as DESIGN 11 asks:
+measure each on each platform, use the faster, say which.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import nn
 
-HOW = ("torch.compile per block (blocks of one type and shape share a graph);"
-       " head, loss and optimiser eager")
-MODES = ("eager", "compiled")
+HOW = {
+    "compiled": "torch.compile per block (blocks of one type and shape share a graph);"
+                " head, loss and optimiser eager; MoE blocks eager",
+    "compiled_model": "torch.compile of the whole model (forward, backward, head and loss;"
+                      " the trainer's train.compile=on); optimiser eager",
+}
+COMPILED = tuple(HOW)  # the compiled modes, in the order they are built
+MODES = ("eager", *COMPILED)
 
 
 def block_kind(block: nn.Module) -> str | None:
@@ -37,9 +52,19 @@ def block_kind(block: nn.Module) -> str | None:
     return "dense"
 
 
-def compilable(model: nn.Module) -> bool:
-    """Whether compiling ``model`` per block changes anything (any block not MoE)."""
+def compilable(model: nn.Module, mode: str) -> bool:
+    """Whether compiling ``model`` in ``mode`` changes anything: per block, any
+    block not MoE; the whole model, always."""
+    if mode == "compiled_model":
+        return True
     return any(block_kind(b) is not None for b in getattr(model, "blocks", []))
+
+
+def compile_model(model: nn.Module) -> nn.Module:
+    """The whole model compiled as the trainer compiles it (``torch.compile``, defaults)."""
+    import torch
+
+    return torch.compile(model)
 
 
 def compile_blocks(model: nn.Module) -> str:
@@ -55,6 +80,22 @@ def compile_blocks(model: nn.Module) -> str:
     return "compiled" if done == total else f"compiled {done} of {total} blocks, others eager"
 
 
+def parse_modes(modes: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Compiled modes from ``"compiled,compiled_model"`` or a list (None: all of
+    :data:`COMPILED`); anything else raises :class:`~xmodlm.errors.UserError`."""
+    from xmodlm.errors import UserError
+
+    if modes is None:
+        return COMPILED
+    names = [m.strip() for m in (modes.split(",") if isinstance(modes, str) else modes)]
+    names = [m for m in names if m]
+    bad = [m for m in names if m not in COMPILED]
+    if bad or not names:
+        raise UserError(f"compile modes {','.join(names) or '(none)'!s}: each must be one of"
+                        f" {', '.join(COMPILED)}")
+    return tuple(m for m in COMPILED if m in names)
+
+
 def reset() -> None:
     """Forget every compiled graph (between sizes); nothing if dynamo is unavailable."""
     try:
@@ -65,5 +106,5 @@ def reset() -> None:
 
 
 def faster_mode(medians: dict[str, float]) -> str:
-    """The mode with the lower median step time (eager on a tie)."""
-    return min(MODES, key=lambda m: (medians.get(m, float("inf")), m != "eager"))
+    """The mode with the lowest median step time (the earlier of :data:`MODES` on a tie)."""
+    return min(MODES, key=lambda m: (medians.get(m, float("inf")), MODES.index(m)))

@@ -3,8 +3,8 @@
 For each size (:mod:`xmodlm.bench.sizes`) the bench builds the model family
 FLOP-matched to the size's dense model, the GPT-2 reference
 (:mod:`xmodlm.bench.gpt2`) and the plain :class:`~xmodlm.reference_gpt.ReferenceGPT`;
-each model that has blocks to compile is built twice, eager and compiled
-(:mod:`xmodlm.bench.compile`). Then, at each thread count, all of them are
+each model is built eager and again in each compiled mode that changes it
+(per block, whole model: :mod:`xmodlm.bench.compile`). Then, at each thread count, all of them are
 timed in the same interleaved rounds (:mod:`xmodlm.bench.step`), so every ratio
 in the output is a paired comparison from one run. Routing overhead and decode
 speed are measured once, on the first size; the law fit once.
@@ -62,12 +62,15 @@ def _load() -> list[float] | None:
 # --- one size --------------------------------------------------------------------------
 
 
-def build_cases(size: BenchSize, device: torch.device, compiled: bool) -> tuple[Cases, dict]:
-    """Every model of ``size``, eager and (where it has blocks to compile) compiled.
+def build_cases(
+    size: BenchSize, device: torch.device, modes: tuple[str, ...]
+) -> tuple[Cases, dict]:
+    """Every model of ``size``, eager and in each compiled mode of ``modes``
+    (:data:`xmodlm.bench.compile.COMPILED`) where compiling it changes anything.
 
     Compiled models take their first step here, which compiles them; if that
-    fails (a platform without a working compiler) every model runs eager and
-    the returned compile record says why.
+    fails (a platform without a working compiler) the mode is dropped for every
+    model and the returned compile record says why.
     """
     configs = family_configs(size.dense())
     specs = {name: (cfg, "ours") for name, cfg in configs.items()}
@@ -77,32 +80,36 @@ def build_cases(size: BenchSize, device: torch.device, compiled: bool) -> tuple[
     for name in ORDER:
         cfg, kind = specs[name]
         cases[name] = {"eager": make_case(name, cfg, size.batch, device, kind)}
-    if not compiled:
+    if not modes:
         return cases, {"skipped": "compile off (quick mode or --no-compile)"}
     bench_compile.reset()
-    record: dict[str, Any] = {"how": bench_compile.HOW, "first_step_s": {}}
-    try:
-        for name in ORDER:
-            cfg, kind = specs[name]
-            if kind == "reference" or not bench_compile.compilable(cases[name]["eager"].model):
-                continue  # the plain reference stays as written; MoE blocks stay eager
-            case = make_case(name, cfg, size.batch, device, kind, compiled=True)
-            t0 = time.perf_counter()
-            case.step()
-            case.first_step_s = record["first_step_s"][name] = time.perf_counter() - t0
-            cases[name]["compiled"] = case
-    except Exception as err:  # noqa: BLE001 - e.g. no working C++ compiler for inductor
-        for modes in cases.values():
-            modes.pop("compiled", None)
-        return cases, {"unavailable": f"torch.compile failed: {type(err).__name__}: {err}"[:300]}
+    record: dict[str, Any] = {}
+    for mode in modes:
+        record[mode] = {"how": bench_compile.HOW[mode], "first_step_s": {}}
+        try:
+            for name in ORDER:
+                cfg, kind = specs[name]
+                if kind == "reference" or not bench_compile.compilable(
+                        cases[name]["eager"].model, mode):
+                    continue  # the plain reference stays as written
+                case = make_case(name, cfg, size.batch, device, kind, mode=mode)
+                t0 = time.perf_counter()
+                case.step()
+                case.first_step_s = record[mode]["first_step_s"][name] = time.perf_counter() - t0
+                cases[name][mode] = case
+        except Exception as err:  # noqa: BLE001 - e.g. no working C++ compiler for inductor
+            for per_mode in cases.values():
+                per_mode.pop(mode, None)
+            why = f"torch.compile failed: {type(err).__name__}: {err}"[:300]
+            record[mode] = {"how": bench_compile.HOW[mode], "unavailable": why}
     return cases, record
 
 
 def compare(cases: Cases, peak: list[float]) -> dict[str, Any]:
     """The figures of one set of timed rounds: steps, and every paired comparison.
 
-    Each model's ``best`` is its faster mode; comparisons are given per mode
-    (eager with eager, compiled with compiled) and at the best modes.
+    Each model's ``best`` is its fastest mode; comparisons are given per mode
+    (eager with eager, compiled with compiled, ...) and at the best modes.
     """
     steps: dict[str, Any] = {}
     best: dict[str, Case] = {}
@@ -137,9 +144,12 @@ def compare(cases: Cases, peak: list[float]) -> dict[str, Any]:
             "efficiency": {k: v / ideal for k, v in measured.items()},
             "modes": {"dense_same_params": same.mode, "xmod_s4_c0125": xmod.mode},
         },
-        "compiled_over_eager": {
-            name: ratio(modes["compiled"], modes["eager"])
-            for name, modes in cases.items() if "compiled" in modes
+        **{
+            f"{mode}_over_eager": {
+                name: ratio(modes[mode], modes["eager"])
+                for name, modes in cases.items() if mode in modes
+            }
+            for mode in bench_compile.COMPILED
         },
     }
 
@@ -176,15 +186,15 @@ def time_size(
     threads: list[int],
     device: torch.device,
     *,
-    compiled: bool,
+    modes: tuple[str, ...],
     timing: Timing,
     peak_n: int,
     say: Callable[[str], None],
 ) -> tuple[dict[str, Any], Cases]:
     """Build and time every model of ``size`` at each thread count; returns the
     size's section of the result and its cases (for the single-size sections)."""
-    say(f"{size.name}: building {len(ORDER)} models" + (", eager and compiled" if compiled else ""))
-    cases, compile_record = build_cases(size, device, compiled)
+    say(f"{size.name}: building {len(ORDER)} models, " + ", ".join(("eager", *modes)))
+    cases, compile_record = build_cases(size, device, modes)
     dense = cases["dense"]["eager"].cfg
     section: dict[str, Any] = {
         "what": size.what,
@@ -195,8 +205,10 @@ def time_size(
         "compile": compile_record,
         "threads": {},
     }
-    order = [c for name in ORDER for m, c in cases[name].items() if m == "eager"]
-    order += [c for name in reversed(ORDER) for m, c in cases[name].items() if m == "compiled"]
+    order = []  # eager in ORDER, then each compiled mode in alternating directions
+    for i, mode in enumerate(("eager", *modes)):
+        names = ORDER if i % 2 == 0 else ORDER[::-1]
+        order += [cases[name][mode] for name in names if mode in cases[name]]
     for n in threads:
         torch.set_num_threads(n)
         say(f"{size.name}: up to {timing.reps} rounds of {len(order)} steps at {n} thread(s)")
@@ -237,6 +249,7 @@ def run_bench(
     include_law: bool = True,
     include_decode: bool = True,
     include_compile: bool | None = None,
+    compile_modes: str | Iterable[str] | None = None,
     progress: bool = False,
     sizes: str | Iterable[str] | None = None,
     threads: str | Iterable[int] | None = None,
@@ -249,7 +262,8 @@ def run_bench(
     size at (``"1,2"``); default the process's current one. ``reps``: timed
     rounds per size and thread count (default per size; on a CPU each size stops
     after its minimum once its time budget is spent). ``include_compile``: also
-    time every model with its blocks compiled (default on, off in quick mode).
+    time every model compiled (default on, off in quick mode), in each of
+    ``compile_modes`` (``"compiled,compiled_model"``; default both).
     ``progress``: say what runs on stderr. Bad values raise :class:`UserError`.
     """
     if reps is not None and (isinstance(reps, bool) or not isinstance(reps, int) or reps < 1):
@@ -262,6 +276,8 @@ def run_bench(
     say = _log if progress else (lambda msg: None)
     dev = resolve_device(device)
     compiled = (not quick) if include_compile is None else include_compile
+    modes = bench_compile.parse_modes(compile_modes)  # checked even when compile is off
+    modes = modes if compiled else ()
     peak_n = QUICK_PEAK_N if quick and dev.type == "cpu" else DEVICE_PEAK_N[dev.type]
     result: dict[str, Any] = {
         "device": dev.type,
@@ -276,7 +292,7 @@ def run_bench(
     try:
         for i, name in enumerate(names):
             size = size_named(name, quick)
-            section, cases = time_size(size, thread_counts, dev, compiled=compiled,
+            section, cases = time_size(size, thread_counts, dev, modes=modes,
                                        timing=_timing(size, reps, dev), peak_n=peak_n, say=say)
             result["sizes"][name] = section
             torch.set_num_threads(main)

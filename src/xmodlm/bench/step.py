@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from xmodlm import flops
-from xmodlm.bench.compile import compile_blocks
+from xmodlm.bench.compile import MODES, compile_blocks, compile_model
 from xmodlm.bench.gpt2 import GPT2Reference, gpt2_counts
 from xmodlm.config import ModelConfig, TrainConfig
 from xmodlm.hardware import measure_matmul_gflops, resolve_dtype
@@ -86,9 +86,10 @@ def make_case(
     batch: int,
     device: torch.device,
     kind: str = "ours",
-    compiled: bool = False,
+    mode: str = "eager",
 ) -> Case:
-    """Build one model of ``kind`` (:data:`KINDS`) with its optimiser and a fixed batch.
+    """Build one model of ``kind`` (:data:`KINDS`) in ``mode`` (:data:`~xmodlm.bench.compile.MODES`)
+    with its optimiser and a fixed batch.
 
     ``ours`` is :class:`Transformer` with the trainer's optimiser; ``gpt2`` the
     GPT-2 reference with the same optimiser (so that the comparison is of
@@ -96,7 +97,7 @@ def make_case(
     AdamW, always eager. Weights and tokens are seeded, so every case of one
     config starts identical.
     """
-    assert kind in KINDS, kind
+    assert kind in KINDS and mode in MODES, (kind, mode)
     torch.manual_seed(0)
     train_cfg = TrainConfig(lr=LR)
     model: nn.Module
@@ -113,7 +114,10 @@ def make_case(
         model = _AsModelOutput(ReferenceGPT(cfg).to(device))
         opt = reference_optimizer(model.model, lr=LR)
         fpt, params = flops.count(cfg).flops_train, flops.count(cfg).params_total
-    mode = compile_blocks(model) if compiled else "eager"
+    if mode == "compiled":
+        mode = compile_blocks(model)  # says so if some blocks (MoE) stay eager
+    elif mode == "compiled_model":
+        model = compile_model(model)  # the optimiser holds the same parameters
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1), generator=gen)
     x, y = tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
