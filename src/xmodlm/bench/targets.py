@@ -112,18 +112,25 @@ def sweep_worker_throughput(result: dict[str, Any]) -> dict[str, Any]:
     ``xmod sweep --executor local`` gives each of its workers ``cores // workers``
     threads (2 workers on 2 cores: one thread each), and the trainer's
     ``train.compile=auto`` runs eager on a CPU. So the eager dense step at
-    w128-t128 and one thread is what one such worker gets, at the bench's dtype.
+    w128-t128 and one thread is what one such worker gets, at the bench's dtype;
+    a spec or ``--run-set`` with ``train.compile=on`` gets the whole-model
+    compiled step (``compiled_model``), given beside it where it was timed.
     """
     section = result.get("sizes", {}).get("w128-t128", {}).get("threads", {}).get("1")
     if section is None:
         return {"unavailable": "needs size w128-t128 at 1 thread (--sizes w128-t128 --threads 1)"}
-    step = section["train_step"]["dense"]["eager"]
-    return {
-        "tokens_per_s": step["tokens_per_s"],
-        "ms_per_step": step["ms"],
+    steps = section["train_step"]["dense"]
+    out: dict[str, Any] = {
+        "tokens_per_s": steps["eager"]["tokens_per_s"],
+        "ms_per_step": steps["eager"]["ms"],
         "what": "one sweep worker (local executor, one thread per worker on a CPU with as many"
         " cores as workers): dense width 128, 4 blocks, context 128, 16 sequences a step,"
         f" eager, {result.get('dtype')}. Upper bound: workers running side by side share"
         " caches and memory bandwidth. Specs that pin train.dtype=fp32 (lr-depth,"
         " deep-ablation) run fp32, which is slower where the CPU has native bf16.",
     }
+    if "compiled_model" in steps:
+        out["compiled_model"] = {"tokens_per_s": steps["compiled_model"]["tokens_per_s"],
+                                 "ms_per_step": steps["compiled_model"]["ms"],
+                                 "what": "the same worker under train.compile=on"}
+    return out
