@@ -184,7 +184,7 @@ def test_mechanism_effects_are_paired_within_seed(tmp_path: Path) -> None:
                 rows.append(_row("xmod", 128, 1e13, loss, seed=seed, gating=gating,
                                  balance_coef=bal, **base))
     rep = sweep_report_table(pd.DataFrame(rows), tmp_path)
-    eff = {(m["factor"], m["level"]): m for m in rep["mechanisms"]}
+    eff = {(m["factor"], m["level"]): m for m in rep["mechanisms"] if m["within"] is None}
     assert set(eff) == {("gating", "sigmoid"), ("balancing", "off")}
     sig = eff[("gating", "sigmoid")]
     assert sig["reference"] == "variance_scaled" and (sig["pairs"], sig["seeds"]) == (6, 3)
@@ -193,7 +193,36 @@ def test_mechanism_effects_are_paired_within_seed(tmp_path: Path) -> None:
     off = eff[("balancing", "off")]
     assert off["mean"] == pytest.approx(-0.010) and off["pairs"] == 6
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "| gating | sigmoid | variance_scaled | 6 | 3 | +0.020 +- 0.001 |" in md
+    assert "| gating | sigmoid | variance_scaled | all | 6 | 3 | +0.020 +- 0.001 |" in md
+
+
+def test_mechanism_effects_within_a_level_of_another_factor(tmp_path: Path) -> None:
+    """An interaction: the logit gate costs 0.01 with anchors at every S-th block and
+    1.0 with the first block only. The main effect mixes the two; within each anchors
+    level the effect is the level's own, and anchors within a gating level likewise."""
+    rows = []
+    for seed in range(3):
+        rows.append(_row("dense", 128, 1e13, 5.0, seed=seed))
+        for gating in ("variance_scaled", "logit"):
+            for first in (False, True):
+                gap = (1.0 if first else 0.01) if gating == "logit" else 0.0
+                loss = 5.0 + 0.02 * seed + (0.1 if first else 0.0) + gap
+                layout = "D" + "s" * 27 if first else ("D" + "s" * 7) * 2
+                rows.append(_row("xmod", 128, 1e13, loss, seed=seed, gating=gating,
+                                 balance_coef=0.01, stride=8, capacity=0.125, layout=layout))
+    rep = sweep_report_table(pd.DataFrame(rows), tmp_path)
+    eff = {(m["factor"], m["level"], tuple((m["within"] or {}).items())): m
+           for m in rep["mechanisms"]}
+    assert eff[("gating", "logit", ())]["mean"] == pytest.approx(0.505)
+    assert eff[("gating", "logit", (("anchors", "every S-th block"),))]["mean"] == pytest.approx(0.01)
+    first = eff[("gating", "logit", (("anchors", "first block only"),))]
+    assert first["mean"] == pytest.approx(1.0) and first["pairs"] == 3 and first["seeds"] == 3
+    anchors = eff[("anchors", "first block only", (("gating", "variance_scaled"),))]
+    assert anchors["mean"] == pytest.approx(0.1)
+    assert eff[("anchors", "first block only", (("gating", "logit"),))]["mean"] == pytest.approx(1.09)
+    assert not any(m["within"] and "balancing" in m["within"] for m in rep["mechanisms"])
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| gating | logit | variance_scaled | anchors first block only | 3 | 3 |" in md
 
 
 def test_downstream_tasks_are_paired_with_dense(tmp_path: Path) -> None:

@@ -309,7 +309,8 @@ _MATCH = ["tier", "context", "width", "family", "stride", "capacity", "lr", "see
 
 def mechanism_effects(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
     """What each mechanism the sweep varies does, all else equal: a factorial
-    ablation's main effects, paired by seed.
+    ablation's main effects, and the same effects within each level of every
+    other factor, paired by seed.
 
     For a factor (:data:`FACTORS`) with a level other than its reference, each
     routed run at that level is matched with the run at the reference level that
@@ -320,12 +321,19 @@ def mechanism_effects(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
     error over seeds with a t-interval: seeds are the independent draws (cells of
     one seed share its data order and its dense run). Negative: the level is
     better than the reference.
+
+    The main effect (``within`` None) averages over the other factors' levels,
+    which hides interactions: a gate that diverges only without anchors shows
+    up as a large, noisy main effect. So each effect is also given within each
+    level of each other factor that has two or more (``within`` = {factor:
+    level}), from the same matched pairs restricted to that level.
     """
     routed = comparisons[comparisons["family"] != "moe"]
     if routed.empty:
         return []
     rows = [r for _, r in routed.iterrows()]
     levels = {name: [get(r) for r in rows] for name, (_, get) in FACTORS.items()}
+    varied = [f for f in FACTORS if len(set(levels[f])) > 1]
     out = []
     for name, (ref_level, _) in FACTORS.items():
         present = sorted(set(levels[name]) - {ref_level})
@@ -339,19 +347,27 @@ def mechanism_effects(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
                     *(levels[f][i] for f in others))
 
         ref = {key(i): rows[i]["delta"] for i in range(len(rows)) if levels[name][i] == ref_level}
+        subsets: list[dict[str, str] | None] = [None] + [
+            {f: v} for f in others if f in varied for v in sorted(set(levels[f]))
+        ]
         for level in present:
-            by_seed: dict[Any, list[float]] = {}
-            for i in range(len(rows)):
-                if levels[name][i] == level and key(i) in ref:
-                    by_seed.setdefault(rows[i]["seed"], []).append(rows[i]["delta"] - ref[key(i)])
-            if not by_seed:
-                continue
-            stats = over_seeds(np.array([np.mean(v) for v in by_seed.values()]))
-            out.append({
-                "factor": name, "level": level, "reference": ref_level,
-                "pairs": int(sum(len(v) for v in by_seed.values())), "seeds": stats["n"],
-                **stats,
-            })
+            for within in subsets:
+                by_seed: dict[Any, list[float]] = {}
+                for i in range(len(rows)):
+                    if levels[name][i] != level or key(i) not in ref:
+                        continue
+                    if within and any(levels[f][i] != v for f, v in within.items()):
+                        continue
+                    by_seed.setdefault(rows[i]["seed"], []).append(
+                        rows[i]["delta"] - ref[key(i)])
+                if not by_seed:
+                    continue
+                stats = over_seeds(np.array([np.mean(v) for v in by_seed.values()]))
+                out.append({
+                    "factor": name, "level": level, "reference": ref_level, "within": within,
+                    "pairs": int(sum(len(v) for v in by_seed.values())), "seeds": stats["n"],
+                    **stats,
+                })
     return out
 
 
@@ -698,15 +714,18 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
             "Each level minus the reference level of one mechanism, the other mechanisms,"
             " budget, context, width, learning rate and seed held equal (causal loss, nats);"
             " averaged over the matched cells within a seed, then mean +- standard error over"
-            " seeds. Negative: the level is better than the reference.", "",
-            "| mechanism | level | reference | matched pairs | seeds | mean +- SE |"
+            " seeds. Negative: the level is better than the reference. *within*: all matched"
+            " pairs (the main effect), or only those at one level of another mechanism"
+            " (where the effect depends on it, the main effect misleads).", "",
+            "| mechanism | level | reference | within | matched pairs | seeds | mean +- SE |"
             " 95% interval | resolved |",
-            "|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for m in report["mechanisms"]:
+            within = ", ".join(f"{f} {v}" for f, v in (m.get("within") or {}).items()) or "all"
             lines.append(
-                f"| {m['factor']} | {m['level']} | {m['reference']} | {m['pairs']} | {m['seeds']} |"
-                f" {_over_seeds_cells(m)} |"
+                f"| {m['factor']} | {m['level']} | {m['reference']} | {within} | {m['pairs']} |"
+                f" {m['seeds']} | {_over_seeds_cells(m)} |"
             )
     if report["learning_rates"]:
         lines += ["", "## Peak learning rate", "",
