@@ -230,6 +230,28 @@ def test_moe_loop_equals_reference_mixture() -> None:
     torch.testing.assert_close(y[0], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_moe_compiles_once_whatever_its_routing() -> None:
+    """Under torch.compile each step routes tokens differently. The model compiles
+    once: no new graphs on later steps, and at most one graph break per MoE block
+    (the dispatch, whose slice sizes are data). A bincount in the balance loss, or
+    a traced dispatch, each add breaks (and, at larger sizes, a recompile a step
+    on the per-expert counts until dynamo's limit)."""
+    torch._dynamo.reset()
+    cfg = tiny_model_cfg(mlp="moe", n_experts=4, moe_top_k=2, moe_d_ff=32)
+    compiled = torch.compile(Transformer(cfg), backend="eager")
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    gen = torch.Generator().manual_seed(0)
+    graphs = []
+    for _ in range(4):
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.context), generator=gen)
+        compiled(x, x).total_loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == graphs[:1] * 3, graphs
+    assert sum(counters["graph_break"].values()) <= cfg.n_layers, dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
 def test_aux_losses_and_stats_come_back_from_forward() -> None:
     cfg = tiny_model_cfg(n_layers=8, stride=4, capacity=0.25, balance_coef=0.01)
     model = Transformer(cfg)

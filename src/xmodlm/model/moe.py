@@ -25,7 +25,8 @@ def load_balancing_loss(probs_NE: torch.Tensor, expert_NK: torch.Tensor) -> torc
     Equals 1 under perfectly uniform routing, whatever E and top-k.
     """
     n_experts = probs_NE.shape[-1]
-    counts_E = torch.bincount(expert_NK.flatten(), minlength=n_experts).to(probs_NE.dtype)
+    # one-hot, not bincount: its output shape is static, so torch.compile traces it
+    counts_E = F.one_hot(expert_NK.flatten(), n_experts).sum(0).to(probs_NE.dtype)
     frac_E = counts_E / expert_NK.numel()
     return n_experts * (frac_E * probs_NE.mean(0)).sum()
 
@@ -83,7 +84,20 @@ class MoEMLP(nn.Module):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         weight_NK, expert_NK, aux = self.router(x_ND)
+        return self.dispatch(x_ND, weight_NK, expert_NK).view(B, T, D), aux
 
+    @torch.compiler.disable
+    def dispatch(
+        self, x_ND: torch.Tensor, weight_NK: torch.Tensor, expert_NK: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts on their tokens, weighted and summed back per token: (N, D).
+
+        Kept out of ``torch.compile``: the slice sizes are data (one host sync to
+        read them), so a traced version would guard on every step's counts and
+        recompile until dynamo's limit, then fall back to eager anyway. The router
+        and the rest of the model compile; this runs eager, one graph break.
+        """
+        N, D = x_ND.shape
         flat_expert = expert_NK.flatten()
         order = torch.argsort(flat_expert, stable=True)
         token_of = order // self.top_k
@@ -95,6 +109,5 @@ class MoEMLP(nn.Module):
             if chunk.shape[0] > 0
         ]
         y_sorted = torch.cat(outs) * weight_NK.flatten()[order].unsqueeze(-1).to(outs[0].dtype)
-        y_ND = torch.zeros(B * T, D, dtype=y_sorted.dtype, device=x_ND.device)
-        y_ND = y_ND.index_add(0, token_of, y_sorted)
-        return y_ND.view(B, T, D), aux
+        y_ND = torch.zeros(N, D, dtype=y_sorted.dtype, device=x_ND.device)
+        return y_ND.index_add(0, token_of, y_sorted)
