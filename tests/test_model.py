@@ -230,6 +230,20 @@ def test_moe_loop_equals_reference_mixture() -> None:
     torch.testing.assert_close(y[0], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_logits_carry_a_graph_only_without_targets() -> None:
+    """With targets the loss is the training path and the logits come back detached
+    (a compiled step would otherwise zero-fill a (B, T, V) gradient for them every
+    step); without targets they are the output to differentiate, as in the HF
+    wrapper's own loss."""
+    cfg = tiny_model_cfg(n_layers=8, stride=4, capacity=0.25)
+    model = Transformer(cfg)
+    x = _tokens(cfg)
+    out = model(x, x)
+    assert not out.logits.requires_grad and out.total_loss.requires_grad
+    torch.testing.assert_close(out.logits, model(x).logits)
+    assert model(x).logits.requires_grad
+
+
 def test_moe_compiles_once_whatever_its_routing() -> None:
     """Under torch.compile each step routes tokens differently. The model compiles
     once: no new graphs on later steps, and at most one graph break per MoE block

@@ -52,7 +52,8 @@ class _AsModelOutput(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> ModelOutput:
         logits, loss = self.model(x, y)
-        return ModelOutput(logits=logits, loss=loss)
+        # the output contract of ours (Transformer.forward): with targets, logits detached
+        return ModelOutput(logits=logits.detach(), loss=loss)
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ ROUTING_MODES = ("topk", "causal")
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # (B, T, V)
+    logits: torch.Tensor  # (B, T, V); detached when targets were given (train on loss)
     loss: torch.Tensor | None = None  # LM cross-entropy (mean over tokens)
     aux_loss: torch.Tensor | None = None  # weighted sum of auxiliary losses
     aux: dict[str, torch.Tensor] = field(default_factory=dict)  # unweighted components
@@ -199,6 +199,10 @@ class Transformer(nn.Module):
             result.loss = cross_entropy_fp32(
                 logits.view(-1, logits.shape[-1]), targets_BT.reshape(-1)
             )
+            # with targets the loss is the path to train on; logits handed back beside
+            # it carry no graph, or a compiled step zero-fills a (B, T, V) gradient for
+            # them every step (AOTAutograd's tangent of an output nobody backpropagates)
+            result.logits = logits.detach()
             result.aux, result.aux_loss = self._aux_losses(outs)
         if return_stats:
             result.stats = {"residual_rms": rms, **self._stats(outs)}
