@@ -70,8 +70,10 @@ class MoEMLP(nn.Module):
     """Dropless token-choice MoE: each token picks its top-k experts (router in fp32).
 
     Tokens are sorted by expert and each expert runs once on its contiguous slice,
-    so compute is exactly top_k expert MLPs per token. With one expert and
-    top_k = 1 the layer equals a plain SwiGLU with the same weights.
+    so compute is exactly top_k expert MLPs per token. Under ``torch.compile`` the
+    slice sizes (read on the host) are one graph break per MoE layer; after one
+    recompile dynamo treats them as dynamic, so the experts stay compiled. With
+    one expert and top_k = 1 the layer equals a plain SwiGLU with the same weights.
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int) -> None:
@@ -84,20 +86,7 @@ class MoEMLP(nn.Module):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         weight_NK, expert_NK, aux = self.router(x_ND)
-        return self.dispatch(x_ND, weight_NK, expert_NK).view(B, T, D), aux
 
-    @torch.compiler.disable
-    def dispatch(
-        self, x_ND: torch.Tensor, weight_NK: torch.Tensor, expert_NK: torch.Tensor
-    ) -> torch.Tensor:
-        """The experts on their tokens, weighted and summed back per token: (N, D).
-
-        Kept out of ``torch.compile``: the slice sizes are data (one host sync to
-        read them), so a traced version would guard on every step's counts and
-        recompile until dynamo's limit, then fall back to eager anyway. The router
-        and the rest of the model compile; this runs eager, one graph break.
-        """
-        N, D = x_ND.shape
         flat_expert = expert_NK.flatten()
         order = torch.argsort(flat_expert, stable=True)
         token_of = order // self.top_k
@@ -109,5 +98,6 @@ class MoEMLP(nn.Module):
             if chunk.shape[0] > 0
         ]
         y_sorted = torch.cat(outs) * weight_NK.flatten()[order].unsqueeze(-1).to(outs[0].dtype)
-        y_ND = torch.zeros(N, D, dtype=y_sorted.dtype, device=x_ND.device)
-        return y_ND.index_add(0, token_of, y_sorted)
+        y_ND = torch.zeros(B * T, D, dtype=y_sorted.dtype, device=x_ND.device)
+        y_ND = y_ND.index_add(0, token_of, y_sorted)
+        return y_ND.view(B, T, D), aux
