@@ -421,7 +421,8 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
         _check_out_dir(args.plots, "--plots")
     fit = fit_law(read_table(args.results), form=args.form, holdout=args.holdout,
                   n_boot=args.n_boot, seed=args.seed, loss=args.loss,
-                  min_steps=args.min_steps, family=args.family)
+                  min_steps=args.min_steps, family=args.family, baseline=args.baseline,
+                  lr=args.lr)
     if args.out:
         from xmodlm.fileio import atomic_write_json
 
@@ -440,7 +441,9 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
           f" {runs['sparse']} {runs['variant'] or 'sparse'}); left out:"
           f" {runs['dropped_short']} shorter than {runs['min_steps']} steps,"
           f" {runs['dropped_unfinished']} unfinished, {runs['excluded_moe']} MoE,"
-          f" other variants {runs['excluded_variants'] or 'none'}")
+          f" other variants {runs['excluded_variants'] or 'none'},"
+          f" {runs['excluded_lr']} at another learning rate than {runs['lr']}")
+    print(f"delta baseline: {fit.baseline}")
     d = payload["delta"]
     if d:
         print(f"selected delta form: {d['selected']} ({d['selection'].get('why', '')})")
@@ -802,6 +805,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out runs with fewer optimiser steps (default 1000; 0 keeps all)")
     p.add_argument("--family", default="xmod",
                    help="sparse family or variant the delta law is fitted on (default xmod)")
+    p.add_argument("--baseline", default="law", choices=["law", "paired"],
+                   help="what each sparse run's delta is measured against: the dense law at its"
+                   " own size (law, default) or its FLOP-matched dense run (paired)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="fit the runs at this peak learning rate (default: the most common)")
     p.add_argument("--out", default=None, help="write the fit JSON here (for predict/recommend)")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
     p.add_argument("--json", action="store_true", help="print the fit as JSON (a summary)")

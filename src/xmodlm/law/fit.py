@@ -61,11 +61,13 @@ from xmodlm.law.holdout import (
 )
 from xmodlm.law.robust import HUBER_DELTA, interval, resample_weights
 from xmodlm.law.table import DEFAULT_MIN_STEPS, UNRECORDED_CONTEXT, validate
+from xmodlm.pairing import NO_PARTNER, dense_partners
 from xmodlm.progress import Progress
 
 SCHEMA = "xmodlm.law/1"
 MIN_BOOT = 100  # below this the 2.5/97.5 percentiles rest on two or three draws
 DEFAULT_FAMILY = "xmod"
+BASELINES = ("law", "paired")  # what a sparse run's delta is measured against
 BOOT_STEPS = 20  # bootstrap progress is reported in up to this many blocks of replicates
 BOOT_BLOCK_MIN = 50  # replicates per block at least (each block starts its worker processes)
 
@@ -180,6 +182,25 @@ class LawFit:
     def reference(self) -> dict[str, float]:
         return self.settings["reference"]
 
+    @property
+    def baseline(self) -> str:
+        """What the delta is measured against: ``law`` (the dense law at the run's own
+        N_ae and D) or ``paired`` (the run's FLOP-matched dense partner)."""
+        return str(self.settings.get("baseline", "law"))
+
+    def blocking_flags(self) -> list[dict[str, str]]:
+        """The identification flags that forbid a sparse recommendation.
+
+        Under the dense-law baseline every flag does: P(beats dense) is computed
+        through the dense law. Under the paired baseline it is P(delta < 0), which
+        the dense law does not enter, so only the delta law's flags do (the dense
+        law's still make the absolute losses unreliable, and are warned about).
+        """
+        flags = self.identification.get("flags", [])
+        if self.baseline == "paired":
+            return [f for f in flags if f["law"].startswith("delta")]
+        return list(flags)
+
     def to_json(self, samples: bool = True) -> dict[str, Any]:
         """The whole fit; ``samples=False`` leaves out the bootstrap draws (a summary:
         what ``law fit --json`` prints; a saved fit keeps them for predict)."""
@@ -274,6 +295,8 @@ def fit_law(
     loss: str = "causal",
     min_steps: int = DEFAULT_MIN_STEPS,
     family: str = DEFAULT_FAMILY,
+    baseline: str = "law",
+    lr: float | None = None,
 ) -> LawFit:
     """Fit the dense law per context and the delta law, select a form, validate held out.
 
@@ -287,7 +310,12 @@ def fit_law(
     ``family``: the sparse runs the delta law is fitted on: a family (``xmod``,
     ``mod``: its own-mechanism variant, else its largest) or a variant label from
     the table (``xmod[gating=sigmoid]``); every other sparse run is left out and
-    counted by variant.
+    counted by variant. ``baseline``: what each sparse run's delta is measured
+    against, ``law`` (the dense law at the run's own N_ae and D) or ``paired``
+    (the observed loss of its FLOP-matched dense partner, :mod:`xmodlm.pairing`;
+    see :func:`paired_baseline`). ``lr``: the peak learning rate whose runs are
+    fitted (None: the table's most common one; runs at others are left out and
+    counted, since a law pools one training recipe).
     """
     started = time.perf_counter()
     if n_boot < MIN_BOOT:
@@ -297,8 +325,12 @@ def fit_law(
     candidates = list(FORMS.values()) if form == "auto" else [get_form(form)]
     if holdout is not None:
         check_protocol(holdout)
+    if baseline not in BASELINES:
+        raise UserError(f"baseline={baseline!r}: must be one of {', '.join(BASELINES)}")
     runs = validate(df, loss=loss, min_steps=min_steps)
-    frame, variant, excluded = _one_variant(runs.frame, family)
+    frame, lr_used, excluded_lr = _one_lr(runs.frame, lr)
+    frame, variant, excluded = _one_variant(frame, family)
+    frame = frame.reset_index(drop=True)
     sparse = frame["is_sparse"].to_numpy()
     context = frame["context"].to_numpy()
     if sparse.all():
@@ -312,20 +344,30 @@ def fit_law(
             f"X-MoD runs at context {orphans[0]} have no dense runs at that context;"
             " the dense law is fitted per context"
         )
+    ln_paired = paired_baseline(frame) if baseline == "paired" else None
     rng = np.random.default_rng(seed)
+    notes = list(runs.notes)
     try:
         dense_fits, dense_laws, dense_ok = _fit_dense_laws(frame, n_boot, rng)
     except UserError as err:
-        if not runs.dropped_short:
+        if ln_paired is not None and sparse.any():
+            # the paired delta needs no dense law; only absolute losses would
+            dense_fits, dense_laws, dense_ok = {}, {}, np.ones(n_boot, dtype=bool)
+            notes.append(f"no dense law: {err}; the paired delta law needs none, but the"
+                         " law cannot predict absolute losses")
+        elif not runs.dropped_short:
             raise
-        raise UserError(
-            f"{err} ({runs.dropped_short} runs shorter than min_steps={min_steps} were left"
-            " out: early training measures warmup; --min-steps lowers the bar, at that cost)"
-        ) from None
+        else:
+            raise UserError(
+                f"{err} ({runs.dropped_short} runs shorter than min_steps={min_steps} were"
+                " left out: early training measures warmup; --min-steps lowers the bar, at"
+                " that cost)"
+            ) from None
     deltas, skipped, delta_ok = {}, {}, np.ones(n_boot, dtype=bool)
     if sparse.any():
         deltas, skipped, delta_ok = _fit_deltas(
-            frame, candidates, dense_laws, n_boot, rng, explicit=form != "auto"
+            frame, candidates, dense_laws, n_boot, rng, explicit=form != "auto",
+            ln_paired=ln_paired,
         )
     dropped_replicates = _keep_replicates(dense_laws, deltas, dense_ok & delta_ok)
     protocol = holdout or default_protocol(frame)
@@ -340,17 +382,20 @@ def fit_law(
         n_folds = len(folds(frame, protocol))
         with Progress(1, f"law fit: held-out {protocol}, {n_folds} folds x"
                       f" {max(1, len(forms))} laws", unit="protocol") as bar:
-            results, failed = evaluate(frame, protocol, forms, dense_fits, REFERENCE, rng)
+            results, failed = evaluate(
+                frame, protocol, forms, dense_fits, REFERENCE, rng, ln_paired
+            )
             bar.update(1)
     selected, selection = _select(form, deltas, results, failed, protocol)
-    by_protocol = _other_protocols(frame, protocol, selected, dense_fits, rng)
+    by_protocol = _other_protocols(frame, protocol, selected, dense_fits, rng, ln_paired)
     if protocol:
         held_sel = results.get(selected or DENSE_ONLY)
         by_protocol[protocol] = held_sel.metrics if held_sel else {
             "failed": failed.get(selected or DENSE_ONLY, "no held-out result")}
-    ln_point = _in_fit(frame, dense_laws, deltas.get(selected) if selected else None)
+    ln_point = _in_fit(frame, dense_laws, deltas.get(selected) if selected else None, ln_paired)
     ln_obs = np.log(frame["val_loss"].to_numpy(float))
-    err = ln_point - ln_obs
+    scored = np.isfinite(ln_point) & (sparse if ln_paired is not None else True)
+    err = (ln_point - ln_obs)[scored]
     held = results.get(selected or DENSE_ONLY)
     return LawFit(
         dense=dense_laws,
@@ -389,6 +434,8 @@ def fit_law(
             "min_steps": min_steps,
             "excluded_moe": runs.excluded_moe,
             "excluded_variants": excluded,
+            "lr": lr_used,
+            "excluded_lr": excluded_lr,
         },
         settings={
             "loss": runs.loss,
@@ -397,12 +444,89 @@ def fit_law(
             "seed": seed,
             "huber_delta": HUBER_DELTA,
             "reference": dict(REFERENCE),
+            "baseline": baseline,
             "bootstrap": "clustered by configuration (seeds of a configuration drawn together)",
         },
-        notes=runs.notes,
+        notes=notes,
         fit_seconds=time.perf_counter() - started,
         identification=identification(dense_fits, dense_laws, deltas, selected),
     )
+
+
+def fitted_runs(fit: LawFit, df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the table ``df`` that ``fit`` was fitted on (its loss, minimum
+    length, learning rate and sparse variant), validated, in table order."""
+    frame = validate(df, loss=fit.loss, min_steps=int(fit.runs.get("min_steps", 0))).frame
+    frame, _, _ = _one_lr(frame, fit.runs.get("lr"))
+    variant = fit.runs.get("variant")
+    if variant:
+        frame = frame[~frame["is_sparse"] | (frame["variant"] == variant)]
+    return frame.reset_index(drop=True)
+
+
+def paired_baseline(frame: pd.DataFrame) -> np.ndarray:
+    """ln L of each sparse run's FLOP-matched dense partner (NaN on dense rows).
+
+    The paired baseline suits a study that gives every routed run a dense run of
+    the same seed, context, width and budget but trains dense at one width per
+    context: its dense law cannot be identified in N, so a delta measured
+    against it would carry that law's whole uncertainty, while the paired
+    difference cancels the seed's data order and needs no dense law at all.
+    What it measures differs slightly: routed minus the dense reference at the
+    same compute, the reference's size included (the dense-law baseline takes
+    the dense law at the routed run's own N_ae and D). Every sparse run must have
+    a partner; the first that has none is named.
+    """
+    missing = [c for c in ("width", "seed") if c not in frame]
+    if missing:
+        raise UserError(
+            f"baseline paired needs column(s) {', '.join(missing)} to find each run's dense"
+            " partner; use baseline law"
+        )
+    sparse = frame["is_sparse"].to_numpy()
+    partners = dense_partners(frame, ~sparse)
+    lonely = np.flatnonzero(sparse & (partners == NO_PARTNER))
+    if len(lonely):
+        row = frame.iloc[lonely[0]]
+        raise UserError(
+            f"baseline paired: {len(lonely)} sparse run(s) have no FLOP-matched dense run of the"
+            f" same context, width, seed and budget (first: context {int(row['context'])},"
+            f" width {row['width']:g}, seed {row['seed']:g}, compute {row['compute']:.3g});"
+            " train their dense partners or use baseline law"
+        )
+    ln_l = np.log(frame["val_loss"].to_numpy(float))
+    return np.where(sparse, ln_l[np.maximum(partners, 0)], np.nan)
+
+
+def _one_lr(frame: pd.DataFrame, lr: float | None) -> tuple[pd.DataFrame, float | None, int]:
+    """The runs at one peak learning rate (``lr``, else the most common), the rate,
+    and how many runs at other rates were left out; tables without ``lr`` pass."""
+    if "lr" not in frame:
+        if lr is not None:
+            raise UserError(f"lr={lr:g}: the table has no lr column to select runs by")
+        return frame, None, 0
+    rates = pd.to_numeric(frame["lr"], errors="coerce")
+    counts = rates.value_counts()
+    if counts.empty:
+        if lr is not None:
+            raise UserError(f"lr={lr:g}: the table records no learning rate")
+        return frame, None, 0
+    if lr is None:
+        top = counts[counts == counts.max()]
+        if len(top) > 1:
+            raise UserError(
+                f"runs at {len(counts)} peak learning rates, {len(top)} of them equally common"
+                f" ({', '.join(f'{r:g}' for r in sorted(top.index))}); a law pools one recipe:"
+                " pass the one to fit (--lr)"
+            )
+        lr = float(top.index[0])
+    elif not np.isclose(counts.index.to_numpy(float), lr, rtol=1e-9, atol=0).any():
+        raise UserError(
+            f"lr={lr:g}: no runs at that peak learning rate; the table has"
+            f" {', '.join(f'{r:g}' for r in sorted(counts.index))}"
+        )
+    keep = np.isclose(rates.to_numpy(float), lr, rtol=1e-9, atol=0) | rates.isna().to_numpy()
+    return frame[keep], float(lr), int((~keep).sum())
 
 
 def _one_variant(frame: pd.DataFrame, family: str) -> tuple[pd.DataFrame, str | None, dict]:
@@ -431,6 +555,7 @@ def _other_protocols(
     selected: str | None,
     dense_fits: dict[int, dense.DenseFit],
     rng: np.random.Generator,
+    ln_paired: np.ndarray | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Held-out scores of the selected law under every protocol but the selecting one.
 
@@ -457,7 +582,7 @@ def _other_protocols(
     with Progress(len(runnable), f"law fit: {name} held out under {', '.join(runnable)}",
                   unit="protocol") as bar:
         for other in runnable:
-            results, failed = evaluate(frame, other, law, dense_fits, REFERENCE, rng)
+            results, failed = evaluate(frame, other, law, dense_fits, REFERENCE, rng, ln_paired)
             out[other] = results[name].metrics if name in results else {
                 "failed": failed.get(name, "no held-out result")}
             bar.update(1)
@@ -582,19 +707,29 @@ def _fit_deltas(
     n_boot: int,
     rng: np.random.Generator,
     explicit: bool,
+    ln_paired: np.ndarray | None = None,
 ) -> tuple[dict[str, DeltaLaw], dict[str, str], np.ndarray]:
     """Every candidate form on the X-MoD runs, with bootstrap paired to the dense
-    replicates; and which replicates converged in every form."""
-    runs = frame[frame["is_sparse"]]
+    replicates; and which replicates converged in every form.
+
+    With ``ln_paired`` (the paired baseline, one entry per row of ``frame``) y is
+    each run's ln L minus its dense partner's, the same in every replicate: the
+    dense law does not enter, so neither does its uncertainty."""
+    sparse = frame["is_sparse"].to_numpy()
+    runs = frame[sparse]
     ln_n, ln_d = _logs(runs)
     context = runs["context"].to_numpy()
     ln_l = np.log(runs["val_loss"].to_numpy(float))
-    y = ln_l - dense.log_loss_at(
-        {t: law.value for t, law in dense_laws.items()}, context, ln_n, ln_d
-    )
-    y_boot = ln_l - dense.log_loss_at(
-        {t: law.samples for t, law in dense_laws.items()}, context, ln_n, ln_d
-    )
+    if ln_paired is None:
+        y = ln_l - dense.log_loss_at(
+            {t: law.value for t, law in dense_laws.items()}, context, ln_n, ln_d
+        )
+        y_boot = ln_l - dense.log_loss_at(
+            {t: law.samples for t, law in dense_laws.items()}, context, ln_n, ln_d
+        )
+    else:
+        y = ln_l - ln_paired[sparse]
+        y_boot = np.broadcast_to(y, (n_boot, len(y)))
     x = Features.of(runs, REFERENCE)
     weights = resample_weights(len(runs), n_boot, rng, clusters=runs["config"].to_numpy())
     deltas, skipped = {}, {}
@@ -708,13 +843,22 @@ def _select(
 
 
 def _in_fit(
-    frame: pd.DataFrame, dense_laws: dict[int, DenseLaw], law: DeltaLaw | None
+    frame: pd.DataFrame,
+    dense_laws: dict[int, DenseLaw],
+    law: DeltaLaw | None,
+    ln_paired: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Point predictions of ln L for the fitted runs."""
+    """Point predictions of ln L for the fitted runs (sparse runs from their dense
+    partner's observed loss under the paired baseline; NaN for dense runs when the
+    law has no dense law)."""
     ln_n, ln_d = _logs(frame)
     values = {t: d.value for t, d in dense_laws.items()}
-    out = dense.log_loss_at(values, frame["context"].to_numpy(), ln_n, ln_d)
+    out = np.full(len(frame), np.nan)
+    if values:
+        out = dense.log_loss_at(values, frame["context"].to_numpy(), ln_n, ln_d)
     sparse = frame["is_sparse"].to_numpy()
+    if ln_paired is not None:
+        out = np.where(sparse, ln_paired, out)
     if law is not None and sparse.any():
         out[sparse] += law.spec.predict(law.value, Features.of(frame[sparse], REFERENCE))
     return out
@@ -765,14 +909,26 @@ def _inside(values: np.ndarray, span: list[float] | None) -> np.ndarray:
 
 
 def predict_samples(fit: LawFit, frame: pd.DataFrame) -> Prediction:
-    """Predict validated rows (``table.validate(rows, need_loss=False).frame``)."""
+    """Predict validated rows (``table.validate(rows, need_loss=False).frame``).
+
+    A paired-baseline law fitted without a dense law (its dense runs were of one
+    size) predicts deltas only: ``ln_dense`` is then 0, so ``ln_point`` is the
+    delta; callers check ``fit.dense`` before calling it a loss.
+    """
     ln_n, ln_d = _logs(frame)
     context = frame["context"].to_numpy()
-    used = _law_contexts(fit, context)
-    ln_dense = dense.log_loss_at({t: d.value for t, d in fit.dense.items()}, used, ln_n, ln_d)
-    ln_dense_samples = dense.log_loss_at(
-        {t: d.samples for t, d in fit.dense.items()}, used, ln_n, ln_d
-    )
+    if fit.dense:
+        used = _law_contexts(fit, context)
+        ln_dense = dense.log_loss_at({t: d.value for t, d in fit.dense.items()}, used, ln_n, ln_d)
+        ln_dense_samples = dense.log_loss_at(
+            {t: d.samples for t, d in fit.dense.items()}, used, ln_n, ln_d
+        )
+    else:
+        if fit.delta is None:
+            raise UserError("the law has neither a dense law nor a delta law to predict with")
+        used = context
+        ln_dense = np.zeros(len(frame))
+        ln_dense_samples = np.zeros((len(fit.delta.samples), len(frame)))
     ln_samples = ln_dense_samples.copy()
     terms = {name: np.zeros(len(frame)) for name in TERMS}
     sparse = frame["is_sparse"].to_numpy()
@@ -803,6 +959,11 @@ def predict(fit: LawFit, rows: pd.DataFrame) -> pd.DataFrame:
     percentile of the bootstrap draws of the whole law (dense and delta paired).
     """
     frame = validate(rows, need_loss=False).frame
+    if not fit.dense:
+        raise UserError(
+            "the law has no dense law (fitted with the paired baseline on dense runs of one"
+            " size), so it predicts no losses; `xmod recommend` compares configurations with it"
+        )
     p = predict_samples(fit, frame)
     ci = interval(np.exp(p.ln_samples), np.exp(p.ln_point))
     out = frame[["params_active", "tokens", "context", "stride", "capacity", "rho"]].copy()

@@ -158,11 +158,17 @@ def evaluate(
     dense_fits: Mapping[int, DenseFit],
     reference: Mapping[str, float],
     rng: np.random.Generator,
+    ln_paired: np.ndarray | None = None,
 ) -> tuple[dict[str, HeldOut], dict[str, str]]:
     """Held-out results per law (each form, or ``DENSE_ONLY``) and forms that could not be refitted.
 
     The dense law of a context is refitted only when the fold holds out some of
     its dense runs; otherwise the full-data fit is the same refit and is reused.
+    ``ln_paired``: under the paired baseline, each sparse run's dense partner's
+    ln L (one entry per row): a sparse run is then predicted as its partner's
+    observed loss plus the delta refitted without it, so the protocols test the
+    delta law given the dense reference, which is what that baseline claims; only
+    sparse runs are scored then, and the dense law (if any) is not refitted.
     """
     fold_list = folds(frame, protocol)
     ln_n = np.log(frame["params_active"].to_numpy(float))
@@ -176,18 +182,21 @@ def evaluate(
     pred = {name: np.full(len(frame), np.nan) for name in names}
     in_fit = {name: [] for name in names}
     failed: dict[str, str] = {}
+    scored = sparse if ln_paired is not None else np.ones(len(frame), dtype=bool)
     for fold in fold_list:
         train = ~fold.test
         params = {}
         for t, fit in dense_fits.items():
             rows = (context == t) & ~sparse
-            if (rows & fold.test).any():
+            if ln_paired is None and (rows & fold.test).any():
                 keep = rows & train
                 where = f"holdout {protocol}: dense runs at context {t} kept by fold {fold.label}"
                 params[t] = fit_dense(ln_n[keep], ln_d[keep], ln_l[keep], rng, where).params
             else:
                 params[t] = fit.params
-        ln_dense = log_loss_at(params, context, ln_n, ln_d)
+        ln_dense = log_loss_at(params, context, ln_n, ln_d) if params else np.full(len(frame), np.nan)
+        if ln_paired is not None:
+            ln_dense = np.where(sparse, ln_paired, ln_dense)
         y = (ln_l - ln_dense)[sparse]
         for form, name in zip(laws, names, strict=True):
             if name in failed:
@@ -203,8 +212,8 @@ def evaluate(
                     continue
                 ln_law[sparse] += form.predict(fit.theta, x)
             pred[name][fold.test] = ln_law[fold.test]
-            in_fit[name].append((ln_law - ln_l)[train])
-    held = np.flatnonzero(np.any([f.test for f in fold_list], axis=0))
+            in_fit[name].append((ln_law - ln_l)[train & scored])
+    held = np.flatnonzero(np.any([f.test for f in fold_list], axis=0) & scored)
     results = {}
     for name in names:
         if name in failed:

@@ -22,6 +22,11 @@
 5. No sparse answer comes from a law whose identification is flagged (a
    parameter at a bound, an interval over a decade, a fit that did not
    converge: :func:`xmodlm.law.fit.identification`); the reason says which.
+   A law fitted with the paired baseline (``LawFit.baseline``) measured each
+   delta against the run's FLOP-matched dense partner: its delta applies to the
+   dense reference's predicted loss, P(beats dense) is P(delta < 0), and only
+   the delta law's flags block (the dense law's are a warning about the
+   absolute losses).
 
 The law predicts the validation loss it was fitted on, the causal-routing loss
 by default (what decoding gets); the answer names it.
@@ -177,9 +182,18 @@ def recommend(
     )
     frame = validate(rows, need_loss=False).frame
     pred = predict_samples(fit, frame)
-    ci = interval(np.exp(pred.ln_samples), np.exp(pred.ln_point))
-    beats = (pred.ln_samples < pred.ln_samples[:, :1]).mean(axis=0)
-    helps = (pred.ln_samples < pred.ln_dense_samples).mean(axis=0)
+    ln_dense, ln_dense_samples = pred.ln_dense, pred.ln_dense_samples
+    if fit.baseline == "paired":
+        # the delta was measured against the FLOP-matched dense run, so it applies to
+        # the reference (row 0), not to the dense law at each candidate's own size
+        ln_dense = np.full_like(ln_dense, ln_dense[0])
+        ln_dense_samples = np.broadcast_to(ln_dense_samples[:, :1], ln_dense_samples.shape)
+    ln_point = ln_dense + (pred.ln_point - pred.ln_dense)
+    ln_samples = ln_dense_samples + (pred.ln_samples - pred.ln_dense_samples)
+    ci = interval(np.exp(ln_samples), np.exp(ln_point))
+    has_loss = bool(fit.dense)  # a paired law without a dense law ranks by delta only
+    beats = (ln_samples < ln_samples[:, :1]).mean(axis=0)
+    helps = (ln_samples < ln_dense_samples).mean(axis=0)
     entries = []
     for i, ((cfg, mismatch), k) in enumerate(zip(models, counts, strict=True)):
         entries.append(
@@ -195,28 +209,27 @@ def recommend(
                 "tokens": float(frame["tokens"].iloc[i]),
                 "flop_mismatch": mismatch,
                 "rho": float(frame["rho"].iloc[i]),
-                "loss": float(np.exp(pred.ln_point[i])),
-                "ci": [float(ci[i, 0]), float(ci[i, 1])],
-                "delta": float(pred.ln_point[i] - pred.ln_dense[i]),
+                "loss": float(np.exp(ln_point[i])) if has_loss else None,
+                "ci": [float(ci[i, 0]), float(ci[i, 1])] if has_loss else None,
+                "delta": float(ln_point[i] - ln_dense[i]),
                 "terms": {name: float(t[i]) for name, t in pred.terms.items()},
-                "vs_dense": float(pred.ln_point[i] - pred.ln_point[0]),
+                "vs_dense": float(ln_point[i] - ln_point[0]),
                 "p_beats_dense": float(beats[i]) if i else None,
                 "p_routing_helps": float(helps[i]) if i else None,
                 "extrapolated": not bool(pred.in_range[i]),
             }
         )
-    dense_entry, candidates = entries[0], sorted(entries[1:], key=lambda e: e["loss"])
+    dense_entry, candidates = entries[0], sorted(entries[1:], key=lambda e: e["vs_dense"])
     winners = [
         e
         for e in candidates
         if e["p_beats_dense"] >= threshold and e["p_routing_helps"] >= threshold
     ]
-    identified = bool(fit.identification.get("ok", True))
+    identified = not fit.blocking_flags()
     best = winners[0] if winners and identified else None
     reason = _reason(fit, best, dense_entry, candidates, threshold)
     if winners and not identified:
-        flags = "; ".join(f"{f['law']} {f['param']} {f['problem']}"
-                          for f in fit.identification["flags"])
+        flags = _flag_text(fit.blocking_flags())
         reason = (
             f"the law is not identified ({flags}), so it gives no sparse answer although"
             f" stride {winners[0]['stride']} capacity {winners[0]['capacity']:g} would win by it"
@@ -234,6 +247,7 @@ def recommend(
             "form": fit.selected,
             "loss": fit.loss,
             "identified": identified,
+            "baseline": fit.baseline,
             "flags": fit.identification.get("flags", []),
             "contexts": sorted(fit.dense),
             "law_context": int(pred.law_context[0]),
@@ -265,10 +279,9 @@ def _reason(
     candidates: list[dict[str, Any]],
     threshold: float,
 ) -> str:
-    if not fit.identification.get("ok", True) and fit.delta is not None:
-        flags = "; ".join(f"{f['law']} {f['param']} {f['problem']}"
-                          for f in fit.identification["flags"])
-        return f"the law is not identified ({flags}), so it supports no sparse answer"
+    if fit.blocking_flags() and fit.delta is not None:
+        return (f"the law is not identified ({_flag_text(fit.blocking_flags())}), so it"
+                " supports no sparse answer")
     if fit.delta is None:
         return "the law was fitted on dense runs only, so it says nothing in favour of sparsity"
     if not candidates:
@@ -291,11 +304,16 @@ def _reason(
             )
         return why
     caveat = " (outside the fitted ranges: an extrapolation)" if best["extrapolated"] else ""
+    by = (f"predicted loss {best['loss']:.4g} vs {dense['loss']:.4g} for dense"
+          if best["loss"] is not None else f"predicted {best['vs_dense']:+.4f} in ln L against dense")
     return (
         f"beats dense with P = {best['p_beats_dense']:.2f} >= {threshold:g} (routing helps with"
-        f" P = {best['p_routing_helps']:.2f}): predicted loss"
-        f" {best['loss']:.4g} vs {dense['loss']:.4g} for dense{caveat}"
+        f" P = {best['p_routing_helps']:.2f}): {by}{caveat}"
     )
+
+
+def _flag_text(flags: list[dict[str, str]]) -> str:
+    return "; ".join(f"{f['law']} {f['param']} {f['problem']}" for f in flags)
 
 
 def _warnings(
@@ -303,6 +321,13 @@ def _warnings(
 ) -> list[str]:
     """Say when the question lies outside what the law was fitted on."""
     out = []
+    unblocking = [f for f in fit.identification.get("flags", []) if f not in fit.blocking_flags()]
+    if unblocking:
+        out.append(
+            f"the predicted losses rest on a dense law that is not identified"
+            f" ({_flag_text(unblocking)}); the comparison with dense does not: the delta"
+            " was measured against each run's FLOP-matched dense partner (baseline paired)"
+        )
     ranges = fit.ranges
     lo, hi = ranges["compute"]
     if compute > EXTRAPOLATION * hi or compute < lo / EXTRAPOLATION:

@@ -25,8 +25,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from xmodlm.law import dense
 from xmodlm.law.delta import Features
-from xmodlm.law.fit import LawFit, predict_samples
-from xmodlm.law.table import validate
+from xmodlm.law.fit import LawFit, fitted_runs, paired_baseline, predict_samples
 
 _MARKERS = "osD^v<>ph*"
 
@@ -35,12 +34,11 @@ def plot_law(fit: LawFit, df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     """Write the law's PNG plots for the runs ``df`` it was fitted on; return their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # the runs the law saw: its loss, its minimum length, its sparse variant
-    frame = validate(df, loss=fit.loss, min_steps=int(fit.runs.get("min_steps", 0))).frame
-    variant = fit.runs.get("variant")
-    if variant:
-        frame = frame[~frame["is_sparse"] | (frame["variant"] == variant)]
-    figures = {"law_isoflop.png": _isoflop(fit, frame), "law_pred_obs.png": _pred_obs(fit, frame)}
+    frame = fitted_runs(fit, df)
+    figures = {}
+    if fit.dense:  # a paired-baseline law may have none: it predicts no absolute loss
+        figures = {"law_isoflop.png": _isoflop(fit, frame),
+                   "law_pred_obs.png": _pred_obs(fit, frame)}
     if fit.delta is not None and frame["is_sparse"].any():
         figures["law_delta.png"] = _delta(fit, frame)
     figures["law_bootstrap.png"] = _bootstrap(fit)
@@ -94,12 +92,16 @@ def _isoflop(fit: LawFit, frame: pd.DataFrame) -> Figure:
 
 
 def _delta(fit: LawFit, frame: pd.DataFrame) -> Figure:
-    """Observed y = ln(L_x / L_d_hat) against rho, and the selected form at median N_ae."""
+    """Observed y = ln(L_x / L_d_hat) against rho (L_d_hat: the dense law, or the
+    run's dense partner under the paired baseline), and the selected form at median N_ae."""
     law = fit.delta
     assert law is not None
-    runs = frame[frame["is_sparse"]]
-    pred = predict_samples(fit, runs)
-    observed = np.log(runs["val_loss"].to_numpy()) - pred.ln_dense
+    sparse = frame["is_sparse"].to_numpy()
+    runs = frame[sparse]
+    if fit.baseline == "paired":
+        observed = np.log(runs["val_loss"].to_numpy()) - paired_baseline(frame)[sparse]
+    else:
+        observed = np.log(runs["val_loss"].to_numpy()) - predict_samples(fit, runs).ln_dense
     fig = Figure(figsize=(8.5, 5))
     ax = fig.add_subplot()
     strides = sorted(runs["stride"].unique())
@@ -138,7 +140,8 @@ def _delta(fit: LawFit, frame: pd.DataFrame) -> Figure:
     ax.set_xscale("log")
     _plain_log_ticks(ax, lambda v: f"{v:g}", minor=True)
     ax.set_xlabel("expansion ratio rho = L / L_active")
-    ax.set_ylabel("ln(L_x / L_dense law)")
+    ax.set_ylabel("ln(L_x / L_dense partner)" if fit.baseline == "paired"
+                  else "ln(L_x / L_dense law)")
     ax.set_title(f"delta law: {law.form} (lines: the law at median N_ae)")
     ax.legend(fontsize=9, title="stride S, context T", title_fontsize=9,
               loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)

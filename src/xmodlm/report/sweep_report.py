@@ -7,10 +7,8 @@ the questions a reader asks first, in this order:
 1. What ran: runs per family, compute tiers, widths, contexts, seeds, and runs
    left out (not finished).
 2. Sparse vs dense at equal compute: each non-dense run against its FLOP-matched
-   dense reference, the dense run of the same context, width, seed (and peak
-   learning rate, where the sweep varies it) whose compute is within
-   ``MATCH_TOLERANCE`` in ln C (the sweep gives both the same budget; only whole
-   steps separate them). Differences are in the causal-routing validation loss
+   dense reference (:mod:`xmodlm.pairing`: the dense run of the same context,
+   width, seed and peak learning rate, at the same budget). Differences are in the causal-routing validation loss
    (what decoding gets; the top-k one beside it). Per family and per compute
    tier: how many lose, and the median, best and worst difference in nats; per
    configuration over seeds: the paired mean +- standard error with its 95%
@@ -46,13 +44,13 @@ import pandas as pd
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_json, atomic_write_text
 from xmodlm.law.table import finished_runs, read_table
+from xmodlm.pairing import NO_PARTNER, dense_partners
 from xmodlm.progress import Progress
 
 if TYPE_CHECKING:
     from xmodlm.law.fit import LawFit
 
 REQUIRED = ("family", "width", "context", "val_loss")
-MATCH_TOLERANCE = 0.1  # |ln C_run - ln C_dense| for two runs of one budget
 TIER_GAP = 0.15  # decades between distinct compute budgets
 CONFIG_KEYS = ("family", "stride", "capacity", "gating", "balance_coef")
 PAIR_KEYS = ("tier", "context", "width", *CONFIG_KEYS, "layout", "lr")
@@ -133,23 +131,16 @@ def _task_columns(df: pd.DataFrame) -> list[str]:
 
 
 def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
-    """One row per non-dense run with its FLOP-matched dense reference; and the unmatched count."""
-    dense = df[df["family"] == "dense"]
+    """One row per non-dense run with its FLOP-matched dense reference
+    (:func:`xmodlm.pairing.dense_partners`); and the unmatched count."""
+    partners = dense_partners(df, df["family"] == "dense")
     rows, unmatched = [], 0
-    for _, run in df[df["family"] != "dense"].iterrows():
-        same = dense[
-            (dense["context"] == run["context"])
-            & (dense["width"] == run["width"])
-            & (dense["seed"] == run["seed"])
-        ]
-        lr = float(run.get("lr", np.nan))
-        if np.isfinite(lr) and (same["lr"] == lr).any():
-            same = same[same["lr"] == lr]  # a learning-rate sweep: pair at equal lr
-        gap = np.abs(np.log(same["compute"].to_numpy(float) / run["compute"]))
-        if not len(same) or gap.min() > MATCH_TOLERANCE:
+    for i in np.flatnonzero(df["family"].to_numpy() != "dense"):
+        if partners[i] == NO_PARTNER:
             unmatched += 1
             continue
-        ref = same.iloc[int(gap.argmin())]
+        run, ref = df.iloc[i], df.iloc[partners[i]]
+        lr = float(run.get("lr", np.nan))
         rows.append(
             {
                 "tier": run["tier"],
@@ -286,7 +277,7 @@ def _law_answer(fit: LawFit, df: pd.DataFrame, context: int, tier: float, width:
         rec = recommend(tier, int(context), float(dense["params_active"].median()), law=fit)
     except UserError as err:
         return {"answer": None, "why": str(err)}
-    top = min(rec["candidates"], key=lambda e: e["loss"], default=None)
+    top = min(rec["candidates"], key=lambda e: e["vs_dense"], default=None)
     return {
         "answer": rec["answer"], "why": rec["reason"], "identified": rec["law"]["identified"],
         "top": None if top is None else {
@@ -424,7 +415,8 @@ def _dense_ladder(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 def _law_section(fit: LawFit, fit_path: str | Path) -> dict[str, Any]:
     data = fit.to_json()
-    section: dict[str, Any] = {"path": str(fit_path), "runs": data["runs"]}
+    section: dict[str, Any] = {"path": str(fit_path), "runs": data["runs"],
+                               "baseline": fit.baseline}
     section["dense"] = [
         {"context": d["context"], "params": {k: v["value"] for k, v in d["params"].items()}}
         for d in data["dense"]
@@ -769,7 +761,10 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
     lines += _dynamics_markdown(report.get("dynamics"))
     law = report["law"]
     if law:
-        lines += ["", "## Law", "", f"Fit `{law['path']}` ({law['runs']['n']} runs)."]
+        baseline = ("each sparse run's delta measured against its FLOP-matched dense run"
+                    if law.get("baseline") == "paired"
+                    else "each sparse run's delta measured against the dense law at its own size")
+        lines += ["", "## Law", "", f"Fit `{law['path']}` ({law['runs']['n']} runs; {baseline})."]
         if law.get("selected"):
             lines += ["", f"Selected delta form `{law['selected']}`: {law['why']}.", ""]
             lines += ["| parameter | value | 95% interval |", "|---|---|---|"]
