@@ -714,7 +714,8 @@ def _fit_deltas(
 
     With ``ln_paired`` (the paired baseline, one entry per row of ``frame``) y is
     each run's ln L minus its dense partner's, the same in every replicate: the
-    dense law does not enter, so neither does its uncertainty."""
+    dense law does not enter, so neither does its uncertainty; the replicates
+    then draw configurations and dense partners both."""
     sparse = frame["is_sparse"].to_numpy()
     runs = frame[sparse]
     ln_n, ln_d = _logs(runs)
@@ -732,6 +733,13 @@ def _fit_deltas(
         y_boot = np.broadcast_to(y, (n_boot, len(y)))
     x = Features.of(runs, REFERENCE)
     weights = resample_weights(len(runs), n_boot, rng, clusters=runs["config"].to_numpy())
+    if ln_paired is not None:
+        # one dense run is the partner of every cell at its seed, context and budget, so
+        # its luck is shared across configurations: draw partners too (a two-way,
+        # "pigeonhole" bootstrap: a run's weight is its configuration's count times its
+        # partner's), or a term that varies across those groups (context) is overconfident
+        partner = dense_partners(frame, ~sparse)[sparse]
+        weights = weights * resample_weights(len(runs), n_boot, rng, clusters=partner)
     deltas, skipped = {}, {}
     ok = np.ones(n_boot, dtype=bool)
     for form in candidates:
