@@ -102,7 +102,7 @@ def test_partners_share_context_width_seed_rate_and_budget(table: pd.DataFrame) 
 
 def test_paired_baseline_needs_no_dense_law(table: pd.DataFrame, paired: LawFit) -> None:
     """One dense width per context: no dense law can be fitted, the paired delta can."""
-    with pytest.raises(UserError, match="every run has the same params_active"):
+    with pytest.raises(UserError, match="every run has the same params_active.*--baseline paired"):
         fit_law(table, form="base", n_boot=N_BOOT)
     assert paired.baseline == "paired" and not paired.dense
     assert any("no dense law" in note for note in paired.notes)

@@ -355,14 +355,19 @@ def fit_law(
             dense_fits, dense_laws, dense_ok = {}, {}, np.ones(n_boot, dtype=bool)
             notes.append(f"no dense law: {err}; the paired delta law needs none, but the"
                          " law cannot predict absolute losses")
-        elif not runs.dropped_short:
-            raise
         else:
-            raise UserError(
-                f"{err} ({runs.dropped_short} runs shorter than min_steps={min_steps} were"
-                " left out: early training measures warmup; --min-steps lowers the bar, at"
-                " that cost)"
-            ) from None
+            why = ""
+            if runs.dropped_short:
+                why = (f" ({runs.dropped_short} runs shorter than min_steps={min_steps} were"
+                       " left out: early training measures warmup; --min-steps lowers the bar,"
+                       " at that cost)")
+            elif sparse.any() and "width" in frame and "seed" in frame and (
+                    dense_partners(frame, ~sparse)[sparse] != NO_PARTNER).all():
+                why = ("; every sparse run has a FLOP-matched dense run of its seed, so the"
+                       " delta can be fitted against those instead (--baseline paired)")
+            if not why:
+                raise
+            raise UserError(f"{err}{why}") from None
     deltas, skipped, delta_ok = {}, {}, np.ones(n_boot, dtype=bool)
     if sparse.any():
         deltas, skipped, delta_ok = _fit_deltas(
