@@ -209,3 +209,22 @@ def test_paired_intervals_cover_the_truth() -> None:
             lo, hi = params[name]["ci"]
             hits[name] += lo <= value <= hi
     assert min(hits.values()) >= 18, hits
+
+
+def test_a_delta_law_with_too_few_configurations_is_flagged(table: pd.DataFrame) -> None:
+    """Two configurations (three seeds each) for two free parameters: the clustered
+    bootstrap returns tight intervals, and none of them may be called resolved."""
+    from xmodlm.report.sweep_report import _law_section
+
+    few = table[(table["context"] == 128) & (table["compute"] < 3e13) & (table["lr"] == LR)
+                & ((table["stride"] == 1) | ((table["capacity"] == 0.125)
+                                            & table["stride"].isin([2, 8])))]
+    fit = fit_law(few, form="base", n_boot=N_BOOT, seed=0, baseline="paired")
+    flags = [f for f in fit.blocking_flags() if "configurations" in f["problem"]]
+    assert flags and "2 sparse configurations for 2 free parameters" in flags[0]["problem"]
+    params = fit.to_json()["delta"]["forms"]["base"]["params"]
+    lo, hi = params["g_cap"]["ci"]
+    assert lo > 0  # tight and apparently resolved ...
+    terms = _law_section(fit, "fit.json")["terms"]
+    assert not terms["capacity"]["resolved"] and terms["capacity"]["flagged"]  # ... not so
+    assert recommend(law=fit, **ARGS)["answer"] == "train dense"

@@ -454,7 +454,8 @@ def fit_law(
         },
         notes=notes,
         fit_seconds=time.perf_counter() - started,
-        identification=identification(dense_fits, dense_laws, deltas, selected),
+        identification=identification(dense_fits, dense_laws, deltas, selected,
+                                      n_configs=int(frame.loc[sparse, "config"].nunique())),
     )
 
 
@@ -612,6 +613,7 @@ def _keep_replicates(
 
 
 DECADE = 10.0
+MIN_SPARE_CONFIGS = 2  # sparse configurations beyond the delta law's free parameters
 # A and B absorb the exponents' uncertainty (ln A moves by ln N x d alpha, and ln N
 # is ~10-20), so a decade in A is only ~0.15 in alpha: well-posed ladders of 80 runs
 # give A and B intervals of 10-20x. They are flagged past three decades.
@@ -623,6 +625,7 @@ def identification(
     dense_laws: dict[int, DenseLaw],
     deltas: dict[str, DeltaLaw],
     selected: str | None,
+    n_configs: int | None = None,
 ) -> dict[str, Any]:
     """Flags for parameters the runs do not pin down, and fits that did not converge.
 
@@ -631,7 +634,11 @@ def identification(
     by construction and its 95% interval spans more than a decade (hi / lo > 10;
     three decades for the prefactors A and B, see ``PREFACTOR_SPAN``).
     Signed delta parameters are judged by their intervals in the report instead
-    (resolved or not), since an effect near zero is a finding, not a failure.
+    (resolved or not), since an effect near zero is a finding, not a failure;
+    but a delta law with fewer than ``MIN_SPARE_CONFIGS`` more sparse
+    configurations (``n_configs``; seeds of one are one) than free parameters
+    is flagged whole: the bootstrap draws configurations, and from so few it
+    returns intervals as narrow as they are meaningless.
     """
     flags: list[dict[str, str]] = []
     for t, fit in dense_fits.items():
@@ -656,6 +663,11 @@ def identification(
         if form_name != selected:
             continue
         name = f"delta ({form_name})"
+        free = len(law.spec.params) - len(law.fixed)
+        if n_configs is not None and n_configs < free + MIN_SPARE_CONFIGS:
+            flags.append({"law": name, "param": "-", "problem":
+                          f"{n_configs} sparse configurations for {free} free parameters (needs"
+                          f" {free + MIN_SPARE_CONFIGS}): its intervals mean nothing"})
         if not law.diagnostics.get("converged", True):
             flags.append({"law": name, "param": "-", "problem": "full-data fit did not converge"})
         ci = interval(law.samples, law.value)

@@ -430,7 +430,8 @@ def _law_section(fit: LawFit, fit_path: str | Path) -> dict[str, Any]:
             for k, v in form["params"].items()
             if not v.get("fixed")
         }
-        section["terms"] = law_terms(section["params"], form["params"])
+        flagged = any(f["law"].startswith("delta") for f in fit.identification.get("flags", []))
+        section["terms"] = law_terms(section["params"], form["params"], flagged)
     section["metrics"] = data["metrics"]
     return section
 
@@ -438,13 +439,16 @@ def _law_section(fit: LawFit, fit_path: str | Path) -> dict[str, Any]:
 TERM_PARAMS = {"capacity": "g_cap", "context": "g_ctx", "interaction": "g_int"}
 
 
-def law_terms(fitted: dict[str, Any], every: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def law_terms(
+    fitted: dict[str, Any], every: dict[str, Any], flagged: bool = False
+) -> dict[str, dict[str, Any]]:
     """Which of the three named terms of the delta law the data resolve.
 
     Each term has one signed coefficient (``capacity``: g_cap, ``context``:
     g_ctx, ``interaction``: g_int; :mod:`xmodlm.law.delta`). A term is resolved
     when its coefficient was fitted (not held at zero for want of contexts or
-    strides) and its 95% bootstrap interval excludes zero.
+    strides), its 95% bootstrap interval excludes zero, and the delta law is
+    not ``flagged`` as unidentified (then no interval of it means anything).
     """
     out = {}
     for term, name in TERM_PARAMS.items():
@@ -452,7 +456,8 @@ def law_terms(fitted: dict[str, Any], every: dict[str, Any]) -> dict[str, dict[s
             v = fitted[name]
             lo, hi = v["ci"]
             out[term] = {"param": name, "value": v["value"], "ci": v["ci"], "fixed": False,
-                         "resolved": bool(lo > 0 or hi < 0)}
+                         "resolved": bool(lo > 0 or hi < 0) and not flagged,
+                         "flagged": flagged}
         else:
             value = every.get(name, {}).get("value", 0.0)
             out[term] = {"param": name, "value": value, "ci": None, "fixed": True,
@@ -775,6 +780,7 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
                       "|---|---|---|---|"]
             for term, t in law.get("terms", {}).items():
                 state = ("held at 0 (the data cannot show it)" if t["fixed"]
+                         else "no (the delta law is not identified)" if t.get("flagged")
                          else "yes" if t["resolved"] else "no")
                 lines.append(f"| {term} | {t['param']} | {t['value']:.4g} | {state} |")
         held = law["metrics"].get("heldout") or {}
