@@ -174,6 +174,7 @@ def test_cli_fits_the_paired_baseline(tmp_path, table: pd.DataFrame, capsys) -> 
                  "--baseline", "paired", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "delta baseline: paired" in out and f"2 at another learning rate than {LR:g}" in out
+    assert "note: no dense law" in out
     assert main(["law", "fit", str(path), "--baseline", "partner", "--quiet"]) == 2
 
 

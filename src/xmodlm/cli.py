@@ -444,6 +444,8 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
           f" other variants {runs['excluded_variants'] or 'none'},"
           f" {runs['excluded_lr']} at another learning rate than {runs['lr']}")
     print(f"delta baseline: {fit.baseline}")
+    for note in payload["notes"]:
+        print(f"note: {note}")
     d = payload["delta"]
     if d:
         print(f"selected delta form: {d['selected']} ({d['selection'].get('why', '')})")
