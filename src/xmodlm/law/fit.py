@@ -18,7 +18,9 @@ therefore includes the dense law's uncertainty, and the dense and delta
 parameters of replicate b together are one draw of the whole law, which is what
 prediction intervals and P(beats dense) are computed from. A replicate whose
 refit does not converge (after a retry from more starts) is dropped from every
-law at once, so the draws stay paired, and counted.
+law at once, so the draws stay paired, and counted. Under the paired baseline
+(:func:`paired_baseline`) y is measured against each run's dense partner
+instead, and the replicates draw partners as well as configurations.
 
 Identification is checked, not assumed (:func:`identification`): a parameter at
 a bound of its box, an interval spanning more than a decade, or a fit that did
@@ -450,7 +452,9 @@ def fit_law(
             "huber_delta": HUBER_DELTA,
             "reference": dict(REFERENCE),
             "baseline": baseline,
-            "bootstrap": "clustered by configuration (seeds of a configuration drawn together)",
+            "bootstrap": "clustered by configuration (seeds of a configuration drawn together)"
+            + ("; and by dense partner (a run's weight: its configuration's count times its"
+               " partner's)" if baseline == "paired" else ""),
         },
         notes=notes,
         fit_seconds=time.perf_counter() - started,
