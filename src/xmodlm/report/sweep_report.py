@@ -13,8 +13,8 @@ the questions a reader asks first, in this order:
    tier: how many lose, and the median, best and worst difference in nats; per
    configuration over seeds: the paired mean +- standard error with its 95%
    t-interval, *resolved* only when the interval excludes zero.
-   Where the sweep varies the peak learning rate, each model's mean loss per
-   learning rate, and the best one.
+   Where the sweep varies the peak learning rate, each model's loss per
+   learning rate, and the best one, judged on the seeds every rate has.
 3. The dense ladder: at each tier, which dense width is best. A best width at the
    edge of the tested range means the compute-optimal size was not bracketed and
    a dense law fitted on it is an extrapolation.
@@ -368,26 +368,39 @@ def _first_anchor_only(row: dict[str, Any]) -> bool:
 
 
 def learning_rates(df: pd.DataFrame) -> list[dict[str, Any]]:
-    """Per model (configuration, budget, context, width): mean loss +- SE at each peak
-    learning rate over seeds, and the best; empty unless the sweep varies lr."""
+    """Per model (configuration, budget, context, width) tried at two or more peak
+    learning rates: mean loss +- SE at each over seeds, and the best.
+
+    The best is judged on the seeds every rate has (``common_seeds``), since seed
+    noise at these scales is as large as a learning rate's effect: a check run on
+    seed 0 beside a three-seed mean would otherwise be compared with two other
+    seeds' luck. Only without a shared seed are the all-seed means compared.
+    Empty unless the sweep varies lr."""
     if df["lr"].nunique() < 2:
         return []
     out = []
     keys = ["tier", "context", "width", *CONFIG_KEYS, "n_layers"]
     keys = [k for k in keys if k in df.columns]
     for key, g in df.groupby(keys, dropna=False, sort=True):
+        if g["lr"].nunique() < 2:
+            continue
         row = dict(zip(keys, key, strict=True))
+        common = set.intersection(*(set(h["seed"]) for _, h in g.groupby("lr")))
         by_lr = []
         for lr, h in g.groupby("lr"):
             x = h["loss"].to_numpy(float)
             se = float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else None
-            by_lr.append({"lr": float(lr), "n": len(x), "mean": float(x.mean()), "se": se})
-        best = min(by_lr, key=lambda e: e["mean"])
+            shared = h.loc[h["seed"].isin(common), "loss"].to_numpy(float)
+            by_lr.append({"lr": float(lr), "n": len(x), "mean": float(x.mean()), "se": se,
+                          "mean_common": float(shared.mean()) if len(shared) else None})
+        judged = "mean_common" if common else "mean"
+        best = min(by_lr, key=lambda e: e[judged])
         label = "dense" if row["family"] == "dense" else _config_label(
             tuple(row[k] for k in CONFIG_KEYS))
         out.append({"model": f"{label} L={int(row.get('n_layers', 0))}", "tier": float(row["tier"]),
                     "context": int(row["context"]), "width": int(row["width"]),
                     "by_lr": by_lr, "best_lr": best["lr"],
+                    "common_seeds": sorted(int(s) for s in common),
                     "best_at_edge": best["lr"] in (by_lr[0]["lr"], by_lr[-1]["lr"])})
     return out
 
@@ -726,19 +739,28 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
             )
     if report["learning_rates"]:
         lines += ["", "## Peak learning rate", "",
-                  "Mean causal validation loss over seeds (+- standard error) at each peak"
-                  " learning rate; the best is bold.", ""]
+                  "Models tried at two or more peak learning rates. Causal validation loss"
+                  " on the seeds every rate has (the best in bold: seed noise is as large as"
+                  " the rates' effect, so rates are compared on shared seeds), then the mean"
+                  " +- standard error over all seeds of each rate.", ""]
         for m in report["learning_rates"]:
+            shared = m.get("common_seeds") or []
+
+            def bold(e: dict[str, Any], text: str, m: dict[str, Any] = m) -> str:
+                return f"**{text}**" if e["lr"] == m["best_lr"] else text
+
+            on = (f"seed{'s' if len(shared) > 1 else ''} {', '.join(map(str, shared))}: "
+                  + ", ".join(bold(e, f"{e['lr']:g}: {e['mean_common']:.4f}")
+                              for e in m["by_lr"]) + "; all seeds: ") if shared else ""
             cells = ", ".join(
-                ("**" if e["lr"] == m["best_lr"] else "")
-                + f"{e['lr']:g}: {e['mean']:.4f}"
-                + (f" +- {e['se']:.4f}" if e["se"] is not None else "")
-                + ("**" if e["lr"] == m["best_lr"] else "")
-                + f" (n={e['n']})"
+                (f"{e['lr']:g}: {e['mean']:.4f}" if shared
+                 else bold(e, f"{e['lr']:g}: {e['mean']:.4f}"))
+                + (f" +- {e['se']:.4f}" if e["se"] is not None else "") + f" (n={e['n']})"
                 for e in m["by_lr"]
             )
             edge = " (best at the edge of the tried range)" if m["best_at_edge"] else ""
-            lines.append(f"* {m['model']}, C = {m['tier']:.2g}, T = {m['context']}: {cells}{edge}")
+            lines.append(f"* {m['model']}, C = {m['tier']:.2g}, T = {m['context']}:"
+                         f" {on}{cells}{edge}")
     lines += ["", "## Dense ladder", "", "| context | C | widths | best width | loss |", "|---|---|---|---|---|"]
     for d in report["dense_ladder"]:
         mark = " (edge)" if d["at_edge"] else ""
