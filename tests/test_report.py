@@ -134,6 +134,19 @@ def test_paired_seeds_causal_loss_and_learning_rates(tmp_path: Path) -> None:
     assert "| 1e+13 | 128 | 128 | xmod S=4 c=0.125 variance_scaled bal=0.01 lr=0.003 | 3 |" in md
 
 
+def test_budgets_are_tiered_per_context(tmp_path: Path) -> None:
+    """FLOP-matching at T = 512 gives 2.8e13 where T = 128 gives 2.2e13: two budgets,
+    not one tier labelled by whichever context has more runs."""
+    x = {"stride": 8, "capacity": 0.125, "gating": "variance_scaled", "balance_coef": 0.01}
+    rows = []
+    for context, compute in ((128, 2.2e13), (512, 2.8e13)):
+        for seed in range(3 if context == 128 else 1):
+            rows += [_row("dense", 128, compute, 4.6, seed=seed, context=context),
+                     _row("xmod", 128, compute * 1.01, 4.61, seed=seed, context=context, **x)]
+    rep = sweep_report_table(pd.DataFrame(rows), tmp_path)
+    assert {(r["context"], r["tier"]) for r in rep["headline"]} == {(128, 2.2e13), (512, 2.8e13)}
+
+
 def test_learning_rates_are_compared_on_shared_seeds(tmp_path: Path) -> None:
     """A check at lr 6e-3 on seed 0 only (4.55) sits below the three-seed mean at 3e-3
     (4.60) but above seed 0 there (4.50): the study's design; 3e-3 is the better rate.

@@ -107,7 +107,11 @@ def _load(raw: pd.DataFrame, path: str | Path) -> tuple[pd.DataFrame, int]:
             df[col] = default
     df["layout"] = df["layout"].fillna("").astype(str)
     df["lr"] = pd.to_numeric(df["lr"], errors="coerce")
-    df["tier"] = _tiers(df["compute"].to_numpy(float))
+    # budgets are per context: FLOP-matching at another context gives other budgets
+    # (2.2e13 at T = 128 beside 2.8e13 at T = 512 must not read as one tier)
+    df["tier"] = 0.0
+    for rows in df.groupby("context").indices.values():
+        df.loc[df.index[rows], "tier"] = _tiers(df["compute"].to_numpy(float)[rows])
     # the compared loss: causal routing where recorded (dense runs: the same number)
     causal = pd.to_numeric(df.get("val_loss_causal", pd.Series(np.nan, df.index)), errors="coerce")
     df["loss"] = causal.where(np.isfinite(causal), df["val_loss"])
