@@ -229,3 +229,17 @@ def test_a_delta_law_with_too_few_configurations_is_flagged(table: pd.DataFrame)
     terms = _law_section(fit, "fit.json")["terms"]
     assert not terms["capacity"]["resolved"] and terms["capacity"]["flagged"]  # ... not so
     assert recommend(law=fit, **ARGS)["answer"] == "train dense"
+
+
+def test_top_compute_holds_out_each_contexts_top_tier() -> None:
+    """The study's budgets differ by context (2.2e13 and 6.6e13 at T = 128, 2.8e13
+    and 8.4e13 at T = 512): the held-out top tier is each context's, not 8.4e13 alone."""
+    from xmodlm.law.holdout import folds
+    from xmodlm.law.table import validate
+
+    rows = [{"params_active": 8e5, "tokens": c / 5e7, "val_loss": 4.6, "context": t,
+             "compute": c} for t, budgets in ((128, (2.2e13, 6.6e13)), (512, (2.8e13, 8.4e13)))
+            for c in budgets]
+    frame = validate(pd.DataFrame(rows)).frame
+    (fold,) = folds(frame, "top-compute")
+    assert frame.loc[fold.test, "compute"].tolist() == [6.6e13, 8.4e13]

@@ -4,8 +4,9 @@ Protocols (each refits the dense law and every delta form on the runs it keeps):
 
 * ``leave-cell-out``: each (S, c) cell of X-MoD runs is left out in turn; the
   dense runs always stay, so this tests the delta law on unseen routing configs;
-* ``top-compute``: every run (dense and X-MoD) in the top compute tier is left
-  out, so the whole law extrapolates in scale;
+* ``top-compute``: every run (dense and X-MoD) in the top compute tier of its
+  context is left out (of each context with two tiers or more: budgets differ by
+  context), so the whole law extrapolates in scale;
 * ``longest-context``: the X-MoD runs at the longest context are left out; the
   dense runs there stay (the dense law is per context, and the question is
   whether the sparse-context correction extrapolates).
@@ -37,7 +38,7 @@ from xmodlm.law.dense import DenseFit, fit_dense, log_loss_at
 
 PROTOCOLS = {
     "leave-cell-out": "each (stride, capacity) cell of X-MoD runs left out in turn",
-    "top-compute": "all runs in the top compute tier left out",
+    "top-compute": "all runs in the top compute tier of each context left out",
     "longest-context": "X-MoD runs at the longest context left out",
 }
 DENSE_ONLY = "dense"  # the name of the law when the table has no X-MoD runs
@@ -67,7 +68,7 @@ def default_protocol(frame: pd.DataFrame) -> str | None:
     """leave-cell-out when there are two or more cells, else top-compute, else none."""
     if len(_cells(frame)) >= 2:
         return "leave-cell-out"
-    if frame["tier"].nunique() >= 2:
+    if frame.groupby("context")["tier"].nunique().max() >= 2:
         return "top-compute"
     return None
 
@@ -86,12 +87,21 @@ def folds(frame: pd.DataFrame, protocol: str) -> list[Fold]:
         stride, capacity = frame["stride"].to_numpy(), frame["capacity"].to_numpy()
         return [Fold(f"S={s} c={c:g}", sparse & (stride == s) & (capacity == c)) for s, c in cells]
     if protocol == "top-compute":
-        tiers = np.unique(frame["tier"])
-        if len(tiers) < 2:
+        # per context: FLOP-matching at another context gives other budgets, so the
+        # top tier overall could be one context's alone
+        tier, context = frame["tier"].to_numpy(), frame["context"].to_numpy()
+        test, tops = np.zeros(len(frame), dtype=bool), []
+        for t in np.unique(context):
+            tiers = np.unique(tier[context == t])
+            if len(tiers) >= 2:
+                test |= (context == t) & (tier == tiers[-1])
+                tops.append(f"~1e{tiers[-1]:g}" + (f" at T={t}" if t else ""))
+        if not tops:
             raise UserError(
                 "holdout top-compute needs runs in at least 2 compute tiers (factor ~1.8 apart)"
+                " at some context"
             )
-        return [Fold(f"compute ~1e{tiers[-1]:g}", frame["tier"].to_numpy() == tiers[-1])]
+        return [Fold(f"compute {', '.join(tops)}", test)]
     contexts = np.unique(frame.loc[frame["is_sparse"], "context"])
     if len(contexts) < 2:
         raise UserError("holdout longest-context needs X-MoD runs at 2 or more context lengths")
