@@ -198,10 +198,14 @@ class LawFit:
         the dense law does not enter, so only the delta law's flags do (the dense
         law's still make the absolute losses unreliable, and are warned about).
         """
-        flags = self.identification.get("flags", [])
         if self.baseline == "paired":
-            return [f for f in flags if f["law"].startswith("delta")]
-        return list(flags)
+            return self.delta_flags()
+        return list(self.identification.get("flags", []))
+
+    def delta_flags(self) -> list[dict[str, str]]:
+        """The identification flags of the selected delta law (none of its intervals
+        then means anything)."""
+        return [f for f in self.identification.get("flags", []) if f["law"].startswith("delta")]
 
     def to_json(self, samples: bool = True) -> dict[str, Any]:
         """The whole fit; ``samples=False`` leaves out the bootstrap draws (a summary:

@@ -447,8 +447,7 @@ def _law_section(fit: LawFit, fit_path: str | Path) -> dict[str, Any]:
             for k, v in form["params"].items()
             if not v.get("fixed")
         }
-        flagged = any(f["law"].startswith("delta") for f in fit.identification.get("flags", []))
-        section["terms"] = law_terms(section["params"], form["params"], flagged)
+        section["terms"] = law_terms(section["params"], form["params"], bool(fit.delta_flags()))
     section["metrics"] = data["metrics"]
     return section
 
