@@ -247,6 +247,28 @@ def test_shipped_cpu_study_meets_its_design_rules() -> None:
                 assert seeds == {0, 1, 2}, (family, T, C)
 
 
+def test_shipped_depth_control_brackets_the_study_xmod_at_t512() -> None:
+    """cpu-study-depth is the size control for the study's T = 512 lower tier: the same
+    budget, width, batch, seeds and learning rate, and dense depths whose active
+    parameters bracket the FLOP-matched X-MoD (S = 8, c = 1/8) there."""
+    study = {(r.cfg.model.family, r.cfg.model.stride, r.cfg.train.seed): r
+             for r in expand(load_spec("cpu-study"))
+             if r.cfg.model.context == 512 and r.compute == 2.8e13 and r.cfg.train.lr == 4e-3}
+    xmod = study[("xmod", 8, 0)]
+    control = expand(load_spec("cpu-study-depth"))
+    assert {r.compute for r in control} == {xmod.compute}
+    assert {r.cfg.train.seed for r in control} == {0, 1, 2}
+    for r in control:
+        assert r.cfg.model.family == "dense" and r.cfg.model.context == 512
+        for key in ("batch_size", "lr", "warmup_steps", "dtype"):
+            assert getattr(r.cfg.train, key) == getattr(xmod.cfg.train, key), key
+        assert r.cfg.model.d_model == xmod.cfg.model.d_model
+    active = sorted({flops.count(r.cfg.model).params_active for r in control})
+    x_active = flops.count(xmod.cfg.model).params_active
+    assert active[0] < x_active < active[-1]
+    assert flops.count(study[("dense", 1, 0)].cfg.model).params_active < active[0]
+
+
 def test_dry_run_sizes_from_measured_throughput(tiny_data_dir: Path, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture) -> None:
     """--rate-from: times are compute / the FLOP/s finished runs reached (median)."""
