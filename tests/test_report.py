@@ -162,6 +162,30 @@ def test_learning_rates_are_compared_on_shared_seeds(tmp_path: Path) -> None:
     assert "seed 0: **0.003: 4.5000**, 0.006: 4.5500; all seeds: 0.003: 4.6000" in md
 
 
+def test_dense_ladder_compares_depths_paired_on_shared_seeds(tmp_path: Path) -> None:
+    """Dense at 3, 4 and 5 blocks on one budget. 5 blocks was run on seed 0 only (4.45):
+    below 4 blocks' three-seed mean (4.533) but above 4 blocks on seed 0 (4.40), so
+    judged on the shared seed 4 blocks is best (not at the edge). 3 blocks is behind
+    it by 0.05 +- 0.006, paired over its three seeds (resolved)."""
+    rows = []
+    for seed, (loss, extra) in enumerate([(4.40, 0.05), (4.60, 0.06), (4.60, 0.04)]):
+        rows += [_row("dense", 128, 1e13, loss, seed=seed, n_layers=4, lr=4e-3),
+                 _row("dense", 128, 1e13, loss + extra, seed=seed, n_layers=3, lr=4e-3)]
+    rows.append(_row("dense", 128, 1e13, 4.45, seed=0, n_layers=5, lr=4e-3))
+    rep = sweep_report_table(pd.DataFrame(rows), tmp_path)
+    (d,) = rep["dense_ladder"]
+    assert d["common_seeds"] == [0]
+    assert d["best_n_layers"] == 4 and not d["at_edge"]
+    by_depth = {e["n_layers"]: e for e in d["shapes"]}
+    three = by_depth[3]["minus_best"]
+    assert three["mean"] == pytest.approx(0.05) and three["n"] == 3 and three["resolved"]
+    assert by_depth[5]["minus_best"]["mean"] == pytest.approx(0.05)
+    assert by_depth[5]["minus_best"]["n"] == 1 and "minus_best" not in by_depth[4]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| 128 | 1e+13 | 128 | 4 | 0.004 | - | 4.5333 +- 0.0667 (3) | best |" in md
+    assert "| 128 | 1e+13 | 128 | 3 | 0.004 | - | 4.5833 +- 0.0669 (3) | +0.050 +- 0.006 (3)* |" in md
+
+
 def test_headline_is_the_most_seeded_configuration_per_cell(tmp_path: Path) -> None:
     """At T = 128 X-MoD S = 8 has three seeds (+0.01, +0.02, +0.03 against dense) and
     S = 4 one lucky seed (-0.5): the headline is S = 8, not the best mean. MoD has

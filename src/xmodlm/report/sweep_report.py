@@ -15,9 +15,11 @@ the questions a reader asks first, in this order:
    t-interval, *resolved* only when the interval excludes zero.
    Where the sweep varies the peak learning rate, each model's loss per
    learning rate, and the best one, judged on the seeds every rate has.
-3. The dense ladder: at each tier, which dense width is best. A best width at the
-   edge of the tested range means the compute-optimal size was not bracketed and
-   a dense law fitted on it is an extrapolation.
+3. The dense ladder: at each tier, every dense shape (width, depth, learning rate)
+   with its loss over seeds, the best one (on shared seeds) and the others'
+   paired difference to it. A best shape at the edge of the tested sizes means the
+   compute-optimal size was not bracketed and a dense law fitted on it is an
+   extrapolation.
 4. Routing at inference: the causal-minus-top-k loss gap of routed runs.
 5. Training dynamics, where the run records sit beside the table (``runs/RUN_ID/``
    of the sweep directory): per configuration (as in 2, dense included, and the
@@ -410,23 +412,55 @@ def learning_rates(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def _dense_ladder(df: pd.DataFrame) -> list[dict[str, Any]]:
-    """Best dense width per (context, tier), and whether it sits at the tested edge."""
+    """The dense shapes tried on one budget: per (context, tier), each dense shape
+    (width, depth, peak learning rate) with its mean loss +- SE over seeds, the best
+    one, and the others' paired difference to it.
+
+    As with learning rates, the best is judged on the seeds every shape has, and the
+    differences are paired by seed (the same data order), so that seed luck does not
+    pick the winner. ``at_edge``: the best shape is the smallest or the largest
+    (active parameters) tried, so the compute-optimal dense size is not bracketed.
+    ``widths``/``best_width`` keep the width view of the same answer."""
     out = []
     dense = df[df["family"] == "dense"]
+    if "n_layers" not in dense.columns:
+        dense = dense.assign(n_layers=np.nan)
     for (context, tier), group in dense.groupby(["context", "tier"]):
-        widths = sorted(group["width"].unique())
-        best = group.loc[group["val_loss"].idxmin()]
-        edge = len(widths) > 1 and best["width"] in (widths[0], widths[-1])
-        out.append(
-            {
-                "context": int(context),
-                "tier": float(tier),
-                "widths": [int(w) for w in widths],
-                "best_width": int(best["width"]),
-                "best_loss": float(best["val_loss"]),
-                "at_edge": bool(edge),
-            }
+        common = set.intersection(
+            *(set(h["seed"]) for _, h in group.groupby(["width", "n_layers", "lr"], dropna=False))
         )
+        shapes = []
+        for (width, depth, lr), h in group.groupby(["width", "n_layers", "lr"], dropna=False):
+            shared = h.loc[h["seed"].isin(common), "loss"].to_numpy(float)
+            shapes.append({
+                "width": int(width), "n_layers": None if pd.isna(depth) else int(depth),
+                "lr": None if pd.isna(lr) else float(lr),
+                "params_active": float(h["params_active"].iloc[0])
+                if "params_active" in h and pd.notna(h["params_active"].iloc[0]) else None,
+                "seeds": sorted(int(x) for x in h["seed"]),
+                **over_seeds(h["loss"].to_numpy(float)),
+                "mean_common": float(shared.mean()) if len(shared) else None,
+                "_by_seed": h.groupby("seed")["loss"].mean(),
+            })
+        judged = "mean_common" if common else "mean"
+        best = min(shapes, key=lambda e: e[judged])
+        by_seed = [e.pop("_by_seed") for e in shapes]
+        best_by_seed = by_seed[shapes.index(best)]
+        for e, losses in zip(shapes, by_seed, strict=True):
+            if e is not best:
+                seeds = sorted(set(losses.index) & set(best_by_seed.index))
+                e["minus_best"] = (over_seeds((losses[seeds] - best_by_seed[seeds])
+                                              .to_numpy(float)) if seeds else None)
+        size = [e["params_active"] if e["params_active"] is not None
+                else e["width"] ** 2 * (e["n_layers"] or 1) for e in shapes]
+        edge = len(set(size)) > 1 and size[shapes.index(best)] in (min(size), max(size))
+        out.append({
+            "context": int(context), "tier": float(tier),
+            "widths": sorted(int(w) for w in group["width"].unique()),
+            "best_width": best["width"], "best_n_layers": best["n_layers"],
+            "best_loss": best["mean"], "common_seeds": sorted(int(x) for x in common),
+            "shapes": shapes, "at_edge": bool(edge),
+        })
     return out
 
 
@@ -764,20 +798,35 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
             edge = " (best at the edge of the tried range)" if m["best_at_edge"] else ""
             lines.append(f"* {m['model']}, C = {m['tier']:.2g}, T = {m['context']}:"
                          f" {on}{cells}{edge}")
-    lines += ["", "## Dense ladder", "", "| context | C | widths | best width | loss |", "|---|---|---|---|---|"]
+    lines += [
+        "", "## Dense ladder", "",
+        "Dense shapes on one budget: mean loss +- SE over seeds (n), and each shape minus the"
+        " best one, paired by seed (* where the 95% interval excludes zero). The best is"
+        " judged on the seeds every shape has.", "",
+        "| context | C | width | blocks | lr | active params | loss | minus best |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for d in report["dense_ladder"]:
-        mark = " (edge)" if d["at_edge"] else ""
-        lines.append(
-            f"| {d['context']} | {d['tier']:.2g} | {d['widths']} | {d['best_width']}{mark} |"
-            f" {d['best_loss']:.4f} |"
-        )
+        for e in d["shapes"]:
+            se = f" +- {e['se']:.4f}" if e["se"] is not None else ""
+            diff = e.get("minus_best")
+            if diff is None:
+                versus = "best" if "minus_best" not in e else "-"
+            else:
+                dse = f" +- {diff['se']:.3f}" if diff["se"] is not None else ""
+                versus = f"{diff['mean']:+.3f}{dse} ({diff['n']}){'*' if diff['resolved'] else ''}"
+            lr = f"{e['lr']:g}" if e["lr"] is not None else "-"
+            params = f"{e['params_active'] / 1e6:.2f}M" if e["params_active"] is not None else "-"
+            depth = e["n_layers"] if e["n_layers"] is not None else "-"
+            lines.append(f"| {d['context']} | {d['tier']:.2g} | {e['width']} | {depth} |"
+                         f" {lr} | {params} | {e['mean']:.4f}{se} ({e['n']}) | {versus} |")
     edges = sum(d["at_edge"] for d in report["dense_ladder"])
     if edges:
         lines += [
             "",
-            f"At {edges} of {len(report['dense_ladder'])} budgets the best dense width is at the"
-            " edge of the tested range: the compute-optimal size is not bracketed there, and a"
-            " dense law fitted on these runs extrapolates its optimum.",
+            f"At {edges} of {len(report['dense_ladder'])} budgets the best dense shape is the"
+            " smallest or the largest tried: the compute-optimal size is not bracketed there, and"
+            " a dense law fitted on these runs extrapolates its optimum.",
         ]
     gap = report["causal_gap"]
     if gap:
