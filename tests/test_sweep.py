@@ -255,7 +255,7 @@ def test_shipped_depth_control_brackets_the_study_xmod_at_t512() -> None:
              for r in expand(load_spec("cpu-study"))
              if r.cfg.model.context == 512 and r.compute == 2.8e13 and r.cfg.train.lr == 4e-3}
     xmod = study[("xmod", 8, 0)]
-    control = expand(load_spec("cpu-study-depth"))
+    control = [r for r in expand(load_spec("cpu-study-depth")) if r.cfg.model.context == 512]
     assert {r.compute for r in control} == {xmod.compute}
     assert {r.cfg.train.seed for r in control} == {0, 1, 2}
     for r in control:
