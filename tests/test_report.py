@@ -186,6 +186,68 @@ def test_dense_ladder_compares_depths_paired_on_shared_seeds(tmp_path: Path) -> 
     assert "| 128 | 1e+13 | 128 | 3 | 0.004 | - | 4.5833 +- 0.0669 (3) | +0.050 +- 0.006 (3)* |" in md
 
 
+def test_equal_size_interpolates_dense_in_ln_n_and_controls_stay_out_of_pairing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The study has dense at 4 blocks (0.8M) and X-MoD at 0.98M = sqrt(0.8 * 1.2)M, so
+    halfway in ln N between the control's dense at 4 and 6 blocks. Per seed the 6-block
+    model is 0.10 behind the 4-block one and X-MoD 0.07 (plus 0.00 / 0.01 / 0.02), so
+    against dense of its size X-MoD is +0.03 on average. The control's 3-block model is
+    best (0.04 ahead of 4 blocks). The 6-block run has X-MoD's exact compute while the
+    4-block partner is 2% off: were the control in the pairing, it would win it. A
+    second X-MoD at 2M is outside the dense sizes tried and gets no difference."""
+    x = {"stride": 8, "capacity": 0.125, "gating": "variance_scaled", "balance_coef": 0.01,
+         "lr": 4e-3}
+    study, control = [], []
+    for seed in range(3):
+        base = 4.6 + 0.1 * seed  # seed luck the pairing cancels
+        study += [
+            _row("dense", 128, 1.02e13, base, seed=seed, n_layers=4, lr=4e-3,
+                 params_active=0.8e6, run_id=f"d4-{seed}"),
+            _row("xmod", 128, 1e13, base + 0.07 + 0.01 * seed, seed=seed, n_layers=16,
+                 params_active=(0.8e6 * 1.2e6) ** 0.5, **x),
+            _row("xmod", 128, 1e13, base + 0.2, seed=seed, n_layers=32, params_active=2e6,
+                 **{**x, "stride": 4}),
+        ]
+        control += [
+            _row("dense", 128, 1e13, base + 0.1, seed=seed, n_layers=6, lr=4e-3,
+                 params_active=1.2e6),
+            _row("dense", 128, 1e13, base - 0.04, seed=seed, n_layers=3, lr=4e-3,
+                 params_active=0.6e6),
+            _row("dense", 128, 1.02e13, base, seed=seed, n_layers=4, lr=4e-3,
+                 params_active=0.8e6, run_id=f"d4-{seed}"),  # the study's own, again
+            _row("xmod", 128, 1e13, 0.0, seed=seed, n_layers=16, params_active=1e6, **x),
+        ]
+    (tmp_path / "study").mkdir()
+    (tmp_path / "control").mkdir()
+    pd.DataFrame(study).to_csv(tmp_path / "study" / "results.csv", index=False)
+    pd.DataFrame(control).to_csv(tmp_path / "control" / "results.csv", index=False)
+    out = tmp_path / "out"
+    assert main(["report", str(tmp_path / "study"), "--dense-control", str(tmp_path / "control"),
+                 "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["runs"]["finished"] == 9 and rep["dense_controls"][0]["dense_runs"] == 6
+    comparisons = pd.read_csv(out / "comparisons.csv")
+    s8 = comparisons[comparisons["stride"] == 8]
+    assert s8["dense_run_id"].tolist() == ["d4-0", "d4-1", "d4-2"]  # the study's partner
+    assert s8["delta"].to_numpy() == pytest.approx([0.07, 0.08, 0.09])
+    (ladder,) = rep["dense_ladder"]
+    assert ladder["best_n_layers"] == 3 and len(ladder["shapes"]) == 3  # d4 counted once
+    inside, outside = sorted(rep["equal_size"], key=lambda r: r["params_active"])
+    assert inside["weight"] == pytest.approx(0.5)
+    assert [b["n_layers"] for b in inside["bracket"]] == [4, 6]
+    at_size = inside["minus_dense_at_size"]
+    assert at_size["mean"] == pytest.approx(0.03) and at_size["n"] == 3
+    assert at_size["se"] == pytest.approx(0.01 / 3**0.5) and at_size["resolved"]
+    assert inside["minus_best_dense"]["mean"] == pytest.approx(0.12)
+    assert outside["minus_dense_at_size"] is None
+    assert outside["dense_sizes"] == [0.6e6, 1.2e6]
+    md = (out / "report.md").read_text()
+    assert "## At equal active size" in md and "outside 0.60M-1.20M" in md
+    assert "| 0.98M | 0.80M and 1.20M | +0.030 +- 0.006 (3)* |" in md
+
+
 def test_headline_is_the_most_seeded_configuration_per_cell(tmp_path: Path) -> None:
     """At T = 128 X-MoD S = 8 has three seeds (+0.01, +0.02, +0.03 against dense) and
     S = 4 one lucky seed (-0.5): the headline is S = 8, not the best mean. MoD has

@@ -488,14 +488,18 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     return 0
 
 
+def _results_table(path: str) -> Path:
+    """A results table given as itself or as the sweep directory that holds it."""
+    return Path(path) / "results.csv" if Path(path).is_dir() else Path(path)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from xmodlm.report.sweep_report import sweep_report
 
     _check_out_dir(args.out)
-    results = Path(args.results)
-    if results.is_dir():
-        results = results / "results.csv"
-    report = sweep_report(results, args.out, law=args.law)
+    results = _results_table(args.results)
+    controls = [_results_table(c) for c in args.dense_control]
+    report = sweep_report(results, args.out, law=args.law, dense_controls=controls)
     if args.json:
         _print_json(report)
     else:
@@ -842,6 +846,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("results", help="results table (CSV/Parquet) or a sweep directory")
     p.add_argument("--out", required=True, help="directory for report.md, report.json, comparisons.csv")
     p.add_argument("--law", default=None, help="fit JSON to summarise and plot with the runs")
+    p.add_argument("--dense-control", action="append", default=[], metavar="RESULTS",
+                   help="another sweep's results (table or directory) on the same budgets, whose"
+                        " dense runs join the dense ladder and the equal-size comparison (never"
+                        " the FLOP-matched pairing); repeatable")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
     p.add_argument("--json", action="store_true")

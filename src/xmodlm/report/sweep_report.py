@@ -19,7 +19,10 @@ the questions a reader asks first, in this order:
    with its loss over seeds, the best one (on shared seeds) and the others'
    paired difference to it. A best shape at the edge of the tested sizes means the
    compute-optimal size was not bracketed and a dense law fitted on it is an
-   extrapolation.
+   extrapolation. Where a budget has dense at several sizes, each routed
+   configuration against dense of its own active size (:func:`equal_size`): FLOP
+   matching changes the active size, and this separates that from routing. Dense
+   runs of control sweeps (``dense_controls``) join these two, never the pairing.
 4. Routing at inference: the causal-minus-top-k loss gap of routed runs.
 5. Training dynamics, where the run records sit beside the table (``runs/RUN_ID/``
    of the sweep directory): per configuration (as in 2, dense included, and the
@@ -37,6 +40,7 @@ and ``report.json`` (the same numbers), all written atomically.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -411,6 +415,40 @@ def learning_rates(df: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
+def _dense_shapes(dense: pd.DataFrame) -> list[dict[str, Any]]:
+    """The dense shapes (width, depth, peak learning rate) among ``dense`` rows of
+    one budget, each with its loss over seeds and ``_by_seed`` (mean loss per seed,
+    a Series), which callers use for paired differences and drop before output."""
+    shapes = []
+    for (width, depth, lr), h in dense.groupby(["width", "n_layers", "lr"], dropna=False):
+        shapes.append({
+            "width": int(width), "n_layers": None if pd.isna(depth) else int(depth),
+            "lr": None if pd.isna(lr) else float(lr),
+            "params_active": float(h["params_active"].iloc[0])
+            if "params_active" in h and pd.notna(h["params_active"].iloc[0]) else None,
+            "seeds": sorted(int(x) for x in h["seed"]),
+            **over_seeds(h["loss"].to_numpy(float)),
+            "_by_seed": h.groupby("seed")["loss"].mean(),
+        })
+    return shapes
+
+
+def _best_shape(shapes: list[dict[str, Any]]) -> tuple[dict[str, Any], set[Any]]:
+    """The best of :func:`_dense_shapes` and the seeds every shape has. The best is
+    judged on those shared seeds where there are any, so that seed luck does not
+    pick the winner; with none shared, on each shape's own mean."""
+    common = set.intersection(*(set(e["_by_seed"].index) for e in shapes))
+    if common:
+        return min(shapes, key=lambda e: float(e["_by_seed"][sorted(common)].mean())), common
+    return min(shapes, key=lambda e: e["mean"]), common
+
+
+def _paired_minus(a: pd.Series, b: pd.Series) -> dict[str, Any] | None:
+    """:func:`over_seeds` of ``a - b`` on the seeds both have (None if none)."""
+    seeds = sorted(set(a.index) & set(b.index))
+    return over_seeds((a[seeds] - b[seeds]).to_numpy(float)) if seeds else None
+
+
 def _dense_ladder(df: pd.DataFrame) -> list[dict[str, Any]]:
     """The dense shapes tried on one budget: per (context, tier), each dense shape
     (width, depth, peak learning rate) with its mean loss +- SE over seeds, the best
@@ -426,34 +464,18 @@ def _dense_ladder(df: pd.DataFrame) -> list[dict[str, Any]]:
     if "n_layers" not in dense.columns:
         dense = dense.assign(n_layers=np.nan)
     for (context, tier), group in dense.groupby(["context", "tier"]):
-        common = set.intersection(
-            *(set(h["seed"]) for _, h in group.groupby(["width", "n_layers", "lr"], dropna=False))
-        )
-        shapes = []
-        for (width, depth, lr), h in group.groupby(["width", "n_layers", "lr"], dropna=False):
-            shared = h.loc[h["seed"].isin(common), "loss"].to_numpy(float)
-            shapes.append({
-                "width": int(width), "n_layers": None if pd.isna(depth) else int(depth),
-                "lr": None if pd.isna(lr) else float(lr),
-                "params_active": float(h["params_active"].iloc[0])
-                if "params_active" in h and pd.notna(h["params_active"].iloc[0]) else None,
-                "seeds": sorted(int(x) for x in h["seed"]),
-                **over_seeds(h["loss"].to_numpy(float)),
-                "mean_common": float(shared.mean()) if len(shared) else None,
-                "_by_seed": h.groupby("seed")["loss"].mean(),
-            })
-        judged = "mean_common" if common else "mean"
-        best = min(shapes, key=lambda e: e[judged])
-        by_seed = [e.pop("_by_seed") for e in shapes]
-        best_by_seed = by_seed[shapes.index(best)]
-        for e, losses in zip(shapes, by_seed, strict=True):
+        shapes = _dense_shapes(group)
+        best, common = _best_shape(shapes)
+        for e in shapes:
             if e is not best:
-                seeds = sorted(set(losses.index) & set(best_by_seed.index))
-                e["minus_best"] = (over_seeds((losses[seeds] - best_by_seed[seeds])
-                                              .to_numpy(float)) if seeds else None)
+                e["minus_best"] = _paired_minus(e["_by_seed"], best["_by_seed"])
+            e["mean_common"] = (float(e["_by_seed"][sorted(common)].mean()) if common
+                                else None)
         size = [e["params_active"] if e["params_active"] is not None
                 else e["width"] ** 2 * (e["n_layers"] or 1) for e in shapes]
         edge = len(set(size)) > 1 and size[shapes.index(best)] in (min(size), max(size))
+        for e in shapes:
+            del e["_by_seed"]
         out.append({
             "context": int(context), "tier": float(tier),
             "widths": sorted(int(w) for w in group["width"].unique()),
@@ -461,6 +483,72 @@ def _dense_ladder(df: pd.DataFrame) -> list[dict[str, Any]]:
             "best_loss": best["mean"], "common_seeds": sorted(int(x) for x in common),
             "shapes": shapes, "at_edge": bool(edge),
         })
+    return out
+
+
+def equal_size(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Each routed configuration against dense of its own active size, on its budget.
+
+    FLOP matching hands a routed model more or fewer active parameters than its
+    dense partner (routed attention over c*T tokens is cheap, so at long contexts
+    more blocks fit the budget), and on a short budget size alone moves the loss.
+    Where the budget has dense runs at several sizes (a depth or width ladder of
+    the same context, budget and peak learning rate), each seed's dense loss is
+    interpolated linearly in ln N_active between the two dense shapes that bracket
+    the routed model's N_active, and the routed loss minus it is paired over the
+    seeds all three have. Nothing is extrapolated: a model outside the dense sizes
+    tried gets the range instead. ``minus_best_dense``: the paired difference to
+    the budget's best dense shape (:func:`_best_shape`), whatever its size."""
+    if "params_active" not in df.columns:
+        return []
+    df = df.assign(params_active=pd.to_numeric(df["params_active"], errors="coerce"))
+    if "n_layers" not in df.columns:
+        df = df.assign(n_layers=np.nan)
+    dense_all = df[(df["family"] == "dense") & np.isfinite(df["params_active"])]
+    routed = df[(df["family"] != "dense") & np.isfinite(df["params_active"])]
+    out = []
+    for key, runs in routed.groupby(list(PAIR_KEYS), dropna=False):
+        row = dict(zip(PAIR_KEYS, key, strict=True))
+        budget = dense_all[(dense_all["context"] == row["context"])
+                           & (dense_all["tier"] == row["tier"])]
+        if budget.empty:
+            continue
+        # the pairing rule's learning rate: the routed run's own where dense has it
+        same_lr = budget[budget["lr"] == row["lr"]]
+        shapes = _dense_shapes(same_lr if not same_lr.empty else budget)
+        sizes = sorted({e["params_active"] for e in shapes})
+        if len(sizes) < 2:
+            continue
+        best, _ = _best_shape(_dense_shapes(budget))
+        n = float(runs["params_active"].iloc[0])
+        by_seed = runs.groupby("seed")["loss"].mean()
+        entry: dict[str, Any] = {
+            "config": _config_label(tuple(row[k] for k in CONFIG_KEYS)),
+            "tier": float(row["tier"]), "context": int(row["context"]),
+            "width": int(row["width"]), "lr": None if pd.isna(row["lr"]) else float(row["lr"]),
+            "n_layers": int(runs["n_layers"].iloc[0]) if pd.notna(runs["n_layers"].iloc[0]) else None,
+            "params_active": n, "dense_sizes": [sizes[0], sizes[-1]],
+            "minus_best_dense": _paired_minus(by_seed, best["_by_seed"]),
+            "best_dense": {"width": best["width"], "n_layers": best["n_layers"],
+                           "params_active": best["params_active"]},
+            "minus_dense_at_size": None,
+        }
+        if sizes[0] <= n <= sizes[-1]:
+            # of several shapes at one size, the better one stands for it
+            lo = min((e for e in shapes if e["params_active"] <= n),
+                     key=lambda e: (-e["params_active"], e["mean"]))
+            hi = min((e for e in shapes if e["params_active"] >= n),
+                     key=lambda e: (e["params_active"], e["mean"]))
+            w = (float(np.log(n / lo["params_active"]) / np.log(hi["params_active"] / lo["params_active"]))
+                 if hi["params_active"] > lo["params_active"] else 0.0)
+            interpolated = (1 - w) * lo["_by_seed"] + w * hi["_by_seed"]  # NaN where a seed lacks
+            entry["bracket"] = [
+                {"width": e["width"], "n_layers": e["n_layers"], "params_active": e["params_active"]}
+                for e in (lo, hi)
+            ]
+            entry["weight"] = w
+            entry["minus_dense_at_size"] = _paired_minus(by_seed, interpolated.dropna())
+        out.append(entry)
     return out
 
 
@@ -587,13 +675,46 @@ def dynamics(
     return section
 
 
+def _with_dense_controls(
+    raw: pd.DataFrame, controls: Sequence[str | Path]
+) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
+    """``raw`` with the dense runs of each control table appended, marked ``_control``.
+
+    A control is another sweep's results on the same budgets (a depth or width
+    ladder of dense models): its dense runs join the dense ladder and the
+    equal-size comparison, never the FLOP-matched pairing, which stays with the
+    reference the routed runs were matched to. A run already in ``raw`` (same
+    ``run_id``) is not counted twice."""
+    parts, seen, summary = [raw.assign(_control=False)], set(), []
+    if "run_id" in raw.columns:
+        seen = set(raw["run_id"].dropna().astype(str))
+    for path in controls:
+        table = read_table(path)
+        if "family" not in table.columns:
+            raise UserError(f"dense control {str(path)!r} lacks column 'family';"
+                            " `xmod sweep` writes it")
+        dense = table[table["family"].astype(str).str.strip().str.lower() == "dense"]
+        if "run_id" in dense.columns:
+            dense = dense[~dense["run_id"].astype(str).isin(seen)]
+            seen |= set(dense["run_id"].dropna().astype(str))
+        summary.append({"path": str(path), "dense_runs": len(dense)})
+        parts.append(dense.assign(_control=True))
+    return pd.concat(parts, ignore_index=True), summary
+
+
 def sweep_report(
-    results: str | Path, out_dir: str | Path, law: str | Path | None = None
+    results: str | Path, out_dir: str | Path, law: str | Path | None = None,
+    dense_controls: Sequence[str | Path] = (),
 ) -> dict[str, Any]:
-    """Write ``report.md``, ``comparisons.csv`` and ``report.json`` for ``results``; return the JSON."""
+    """Write ``report.md``, ``comparisons.csv`` and ``report.json`` for ``results``; return
+    the JSON. ``dense_controls``: results tables whose dense runs join the dense ladder
+    and the equal-size comparison (:func:`_with_dense_controls`)."""
     bar = Progress(4 + (law is not None), "report", unit="stage")
     raw = read_table(results)
-    df, left_out = _load(raw, results)
+    combined, controls = _with_dense_controls(raw, dense_controls)
+    every, _ = _load(combined, results)
+    left_out = finished_runs(raw)[1]  # of this sweep's runs; the controls' are theirs
+    df = every[~every["_control"].astype(bool)].reset_index(drop=True)
     comparisons, unmatched = match_to_dense(df)
     bar.update(1, done="runs read and matched to dense")
     report: dict[str, Any] = {
@@ -614,7 +735,9 @@ def sweep_report(
         "loss": "causal routing where recorded (top-k beside it)",
         "paired": [],
         "learning_rates": learning_rates(df),
-        "dense_ladder": _dense_ladder(df),
+        "dense_controls": controls,
+        "dense_ladder": _dense_ladder(every),
+        "equal_size": equal_size(every),
         "causal_gap": None,
         "dynamics": None,
         "law": None,
@@ -809,12 +932,7 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
     for d in report["dense_ladder"]:
         for e in d["shapes"]:
             se = f" +- {e['se']:.4f}" if e["se"] is not None else ""
-            diff = e.get("minus_best")
-            if diff is None:
-                versus = "best" if "minus_best" not in e else "-"
-            else:
-                dse = f" +- {diff['se']:.3f}" if diff["se"] is not None else ""
-                versus = f"{diff['mean']:+.3f}{dse} ({diff['n']}){'*' if diff['resolved'] else ''}"
+            versus = _diff_cell(e["minus_best"]) if "minus_best" in e else "best"
             lr = f"{e['lr']:g}" if e["lr"] is not None else "-"
             params = f"{e['params_active'] / 1e6:.2f}M" if e["params_active"] is not None else "-"
             depth = e["n_layers"] if e["n_layers"] is not None else "-"
@@ -828,6 +946,12 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
             " smallest or the largest tried: the compute-optimal size is not bracketed there, and"
             " a dense law fitted on these runs extrapolates its optimum.",
         ]
+    if report["dense_controls"]:
+        lines += ["", "Dense runs from control sweeps on the same budgets join the ladder (never"
+                  " the FLOP-matched pairing): " + "; ".join(
+                      f"`{c['path']}` ({c['dense_runs']} runs)" for c in report["dense_controls"]
+                  ) + "."]
+    lines += _equal_size_markdown(report["equal_size"])
     gap = report["causal_gap"]
     if gap:
         lines += [
@@ -950,6 +1074,53 @@ def _protocols_markdown(by_protocol: dict[str, dict[str, Any]], selecting: str |
             continue
         lines.append(f"| {name} | {m['n']} | {m['rmse']:.4f} | {num(m['ratio'], '.2f')} |"
                      f" {num(m['kendall_tau'], '.2f')} | {num(m['regret'], '.4f')} |")
+    return lines
+
+
+def _diff_cell(stat: dict[str, Any] | None) -> str:
+    """``mean +- SE (n)`` of a paired difference, ``*`` when resolved; ``-`` without."""
+    if stat is None:
+        return "-"
+    se = f" +- {stat['se']:.3f}" if stat["se"] is not None else ""
+    return f"{stat['mean']:+.3f}{se} ({stat['n']}){'*' if stat['resolved'] else ''}"
+
+
+def _equal_size_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The section of :func:`equal_size`: empty where no budget has dense at two sizes."""
+    if not rows:
+        return []
+    lines = [
+        "", "## At equal active size", "",
+        "Each routed configuration minus dense of its own active size on the same budget:"
+        " per seed, the dense loss interpolated linearly in ln N_active between the two dense"
+        " shapes that bracket it (same context, budget and peak learning rate), then paired over"
+        " seeds (* where the 95% interval excludes zero). FLOP matching gives a routed model more"
+        " or fewer active parameters than its dense partner, and on a short budget size alone"
+        " moves the loss; this takes the size out. Beside it, the paired difference to the"
+        " budget's best dense shape, whatever its size.", "",
+        "| T | C | width | configuration | active params | dense between | minus dense at its size"
+        " | 95% interval | minus best dense |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        stat = r["minus_dense_at_size"]
+        if stat is None:
+            lo, hi = r["dense_sizes"]
+            between = f"outside {lo / 1e6:.2f}M-{hi / 1e6:.2f}M"
+            ci = "-"
+        else:
+            between = " and ".join(f"{b['params_active'] / 1e6:.2f}M" for b in r["bracket"])
+            ci = f"[{stat['ci95'][0]:+.3f}, {stat['ci95'][1]:+.3f}]" if stat["ci95"] else "-"
+        lr = f" lr={r['lr']:g}" if r["lr"] is not None else ""
+        depth = f" L={r['n_layers']}" if r["n_layers"] is not None else ""
+        best = r["best_dense"]
+        shape = (f"{best['n_layers']} blocks" if best["n_layers"] is not None
+                 else f"width {best['width']}")
+        lines.append(
+            f"| {r['context']} | {r['tier']:.2g} | {r['width']} | {r['config']}{depth}{lr} |"
+            f" {r['params_active'] / 1e6:.2f}M | {between} | {_diff_cell(stat)} | {ci} |"
+            f" {shape}: {_diff_cell(r['minus_best_dense'])} |"
+        )
     return lines
 
 
