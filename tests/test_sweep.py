@@ -248,15 +248,16 @@ def test_shipped_cpu_study_meets_its_design_rules() -> None:
 
 
 def test_shipped_depth_control_brackets_the_study_xmod_at_t512() -> None:
-    """cpu-study-depth is the size control for the study's T = 512 lower tier: the same
-    budget, width, batch, seeds and learning rate, and dense depths on both sides of
+    """cpu-study-depth is the size control for the study's T = 512 budgets: the same
+    budgets, width, batch, seeds and learning rate, and dense depths on both sides of
     the study's dense reference and of the FLOP-matched X-MoD (S = 8, c = 1/8) there."""
+    study_runs = [r for r in expand(load_spec("cpu-study"))
+                  if r.cfg.model.context == 512 and r.cfg.train.lr == 4e-3]
     study = {(r.cfg.model.family, r.cfg.model.stride, r.cfg.train.seed): r
-             for r in expand(load_spec("cpu-study"))
-             if r.cfg.model.context == 512 and r.compute == 2.8e13 and r.cfg.train.lr == 4e-3}
+             for r in study_runs if r.compute == 2.8e13}
     xmod = study[("xmod", 8, 0)]
     control = [r for r in expand(load_spec("cpu-study-depth")) if r.cfg.model.context == 512]
-    assert {r.compute for r in control} == {xmod.compute}
+    assert {r.compute for r in control} == {r.compute for r in study_runs} == {2.8e13, 8.4e13}
     assert {r.cfg.train.seed for r in control} == {0, 1, 2}
     for r in control:
         assert r.cfg.model.family == "dense" and r.cfg.model.context == 512
