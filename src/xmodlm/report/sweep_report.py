@@ -1114,8 +1114,10 @@ def _equal_size_markdown(rows: list[dict[str, Any]]) -> list[str]:
         lr = f" lr={r['lr']:g}" if r["lr"] is not None else ""
         depth = f" L={r['n_layers']}" if r["n_layers"] is not None else ""
         best = r["best_dense"]
-        shape = (f"{best['n_layers']} blocks" if best["n_layers"] is not None
-                 else f"width {best['width']}")
+        shape = ", ".join(
+            ([f"width {best['width']}"] if best["width"] != r["width"] or best["n_layers"] is None
+             else []) + ([f"{best['n_layers']} blocks"] if best["n_layers"] is not None else [])
+        )
         lines.append(
             f"| {r['context']} | {r['tier']:.2g} | {r['width']} | {r['config']}{depth}{lr} |"
             f" {r['params_active'] / 1e6:.2f}M | {between} | {_diff_cell(stat)} | {ci} |"
