@@ -12,7 +12,7 @@ from xmodlm import flops
 from xmodlm.config import load_config, preset_names
 from xmodlm.model import Transformer, routing
 from xmodlm.model.blocks import RoutedBlock
-from xmodlm.model.layers import SwiGLU
+from xmodlm.model.layers import CPU_FP32_ATTENTION_MAX_KEYS, SwiGLU, attention
 from xmodlm.model.moe import MoEMLP
 
 
@@ -201,6 +201,34 @@ def test_predictor_does_not_touch_lm_loss() -> None:
     out.total_loss.backward()  # the BCE trains the predictor
     preds = [b.predictor for b in model.blocks if isinstance(b, RoutedBlock)]
     assert all(p[0].weight.grad is not None for p in preds)
+
+
+def test_short_bf16_attention_runs_in_fp32_on_a_cpu() -> None:
+    """bf16 attention over at most CPU_FP32_ATTENTION_MAX_KEYS keys is the fp32 kernel's
+    result cast back (causal and masked alike), under bf16 autocast as in training (which
+    would otherwise cast SDPA's inputs back to bf16); over more keys it is bf16's own."""
+    import torch.nn.functional as F
+
+    n = CPU_FP32_ATTENTION_MAX_KEYS
+    gen = torch.Generator().manual_seed(0)
+    for keys in (16, n, 2 * n):
+        q, k, v = (torch.randn(2, 2, keys, 16, generator=gen).bfloat16() for _ in range(3))
+        mask = torch.rand(keys, keys, generator=gen) < 0.5
+        mask |= torch.eye(keys, dtype=torch.bool)
+        fp32 = [F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True),
+                F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)]
+        bf16 = [F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = [attention(q, k, v, causal=True), attention(q, k, v, mask)]
+        want = [y.bfloat16() for y in fp32] if keys <= n else bf16
+        for g, w, b in zip(got, want, bf16, strict=True):
+            assert g.dtype == torch.bfloat16 and torch.equal(g, w), keys
+            if keys <= n:
+                assert not torch.equal(g, b)  # the kernels do differ: the test can tell
+    x = torch.randn(2, 2, 8, 16)  # fp32 stays as it is
+    assert torch.equal(attention(x, x, x, causal=True),
+                       F.scaled_dot_product_attention(x, x, x, is_causal=True))
 
 
 def test_moe_one_expert_equals_dense_mlp() -> None:

@@ -17,14 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xmodlm.config import ModelConfig
 from xmodlm.flops import PREDICTOR_HIDDEN_DIV, capacity_tokens
 from xmodlm.model import routing
 from xmodlm.model.kv_cache import BlockCache
-from xmodlm.model.layers import Attention, RMSNorm, Rotary, SwiGLU, matmul_dtype
+from xmodlm.model.layers import Attention, RMSNorm, Rotary, SwiGLU, attention, matmul_dtype
 from xmodlm.model.moe import MoEMLP
 
 
@@ -83,7 +82,7 @@ class Block(nn.Module):
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values, mask = cache.step(k, v, pos_B, rows, rows_R)
-            return _sdpa(q, keys, values, mask, causal=False)
+            return attention(q, keys, values, mask)
 
         return self.branch_with(x_B1D, cos, sin, attend)[0]
 
@@ -95,14 +94,6 @@ class Block(nn.Module):
             m, aux = self.mlp(self.norm2(x_BTD))
             return h + m, aux
         return h + self.mlp(self.norm2(x_BTD, matmul_dtype(x_BTD))), {}
-
-
-def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
-) -> torch.Tensor:
-    if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 @dataclass
@@ -168,7 +159,7 @@ class DenseBlock(nn.Module):
     def prefill(self, x_BTD: torch.Tensor, prompts: Prompts, cache: BlockCache) -> torch.Tensor:
         """Every prompt token through the block; keys and values of real tokens cached."""
         f, k, v = self.block.branch_with(
-            x_BTD, prompts.cos, prompts.sin, lambda q, k, v: _sdpa(q, k, v, None, causal=True)
+            x_BTD, prompts.cos, prompts.sin, lambda q, k, v: attention(q, k, v, causal=True)
         )
         B, T = prompts.valid_BT.shape
         cache.prefill(k, v, prompts.pos_T.expand(B, T), prompts.lens, prompts.lens_B)
@@ -282,7 +273,7 @@ class RoutedBlock(nn.Module):
         x_BKD = routing.gather_tokens(x_BTD, idx_BK)
         cos, sin = prompts.rope(idx_BK)  # right padding: position = index
         f_BKD, k, v = self.block.branch_with(
-            x_BKD, cos, sin, lambda q, k, v: _sdpa(q, k, v, mask, causal=True)
+            x_BKD, cos, sin, lambda q, k, v: attention(q, k, v, mask, causal=True)
         )
         g_BK = self.gate(torch.gather(r_BT, 1, idx_BK)) * valid_BK
         cache.prefill(k, v, idx_BK, counts, counts_B)

@@ -188,11 +188,35 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Causal attention; ``mask_BTT`` (True = may attend) replaces plain causality."""
         q, k, v = self.project_qkv(x_BTD, cos, sin)
-        if mask_BTT is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BTT.unsqueeze(1))
-        return self.output(y)
+        mask = mask_BTT.unsqueeze(1) if mask_BTT is not None else None
+        return self.output(attention(q, k, v, mask, causal=True))
+
+
+# On a CPU, PyTorch's flash-attention kernel in bf16 has a large fixed cost per
+# call and per head: at 128 keys or fewer the fp32 kernel, casts included, is
+# 1.5-10x faster (docs/benchmarks.md, "Attention in fp32 on short sequences");
+# from 256 keys on, bf16 wins at head size 64 and ties at 32.
+CPU_FP32_ATTENTION_MAX_KEYS = 128
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    mask: torch.Tensor | None = None, causal: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention over (B, H, T, K) tensors: the one call every
+    block (dense, routed, cached) makes. ``mask`` (True = may attend, broadcast to
+    (B, H, Tq, Tk)) replaces ``causal``.
+
+    bf16 attention over at most :data:`CPU_FP32_ATTENTION_MAX_KEYS` keys on a CPU
+    runs in fp32 and casts back: faster there, and never less precise. Routed
+    blocks attend over c*T tokens, so at small c this is every routed block."""
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and k.shape[-2] <= CPU_FP32_ATTENTION_MAX_KEYS:
+        with torch.autocast("cpu", enabled=False):  # CPU autocast would cast SDPA back to bf16
+            y = attention(q.float(), k.float(), v.float(), mask, causal)
+        return y.to(q.dtype)
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 class _SiluMulFn(torch.autograd.Function):
