@@ -7,7 +7,7 @@ it runs several times more ops, and on a shared machine, where every parallel
 op waits on an OpenMP barrier, it is 2-3x slower (docs/benchmarks.md). And why
 bf16 attention over at most 128 keys runs in fp32 (``layers.attention``): the
 ``flash_fp32`` column (bf16 inputs cast up, fp32 flash, cast back) is
-1.5-10x faster than bf16 flash there. Paired, interleaved rounds; medians in ms.
+1.8-10x faster than bf16 flash there. Paired, interleaved rounds; medians in ms.
 ``python benchmarks/sdpa_backends.py [--lengths 16 64 128 256 512 1024] [--head-dim 64]``
 """
 

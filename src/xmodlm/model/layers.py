@@ -194,7 +194,7 @@ class Attention(nn.Module):
 
 # On a CPU, PyTorch's flash-attention kernel in bf16 has a large fixed cost per
 # call and per head: at 128 keys or fewer the fp32 kernel, casts included, is
-# 1.5-10x faster (docs/benchmarks.md, "Attention in fp32 on short sequences");
+# 1.8-10x faster (docs/benchmarks.md, "Attention in fp32 on short sequences");
 # from 256 keys on, bf16 wins at head size 64 and ties at 32.
 CPU_FP32_ATTENTION_MAX_KEYS = 128
 
