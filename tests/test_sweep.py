@@ -226,7 +226,8 @@ def test_design_rules_are_measured_per_run(tiny_data_dir: Path, tmp_path: Path) 
 def test_shipped_cpu_study_meets_its_design_rules() -> None:
     """Every run of the shipped study: >= 2000 steps after warmup, warmup <= 10%, head
     <= 41%, <= 4 epochs of the default corpus (5.8M training tokens), two contexts 4x
-    apart, two tiers 3x apart per context, three seeds on the headline families."""
+    apart, two tiers 3x apart per context, three seeds on the headline families and
+    on the law cells (the lower tier's five X-MoD (S, c) cells at each context)."""
     from xmodlm.sweep.spec import check_requirements
 
     spec = load_spec("cpu-study")
@@ -245,6 +246,14 @@ def test_shipped_cpu_study_meets_its_design_rules() -> None:
                          and r.cfg.model.stride in (1, 2, 8) and r.cfg.model.capacity in (1, 0.125)
                          and (family != "xmod" or r.cfg.model.stride == 8)}
                 assert seeds == {0, 1, 2}, (family, T, C)
+        law_cells: dict[tuple[int, float], set[int]] = {}
+        for r in runs:
+            if (r.cfg.model.family == "xmod" and r.cfg.model.context == T
+                    and r.compute == tiers[0] and r.cfg.train.lr == 4e-3):
+                cell = (r.cfg.model.stride, r.cfg.model.capacity)
+                law_cells.setdefault(cell, set()).add(r.cfg.train.seed)
+        assert set(law_cells) == {(2, 0.125), (4, 0.125), (8, 0.125), (4, 0.25), (4, 0.5)}
+        assert all(seeds == {0, 1, 2} for seeds in law_cells.values()), law_cells
 
 
 def test_shipped_depth_control_brackets_the_study_xmod_at_t512() -> None:
