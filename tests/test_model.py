@@ -258,6 +258,50 @@ def test_moe_loop_equals_reference_mixture() -> None:
     torch.testing.assert_close(y[0], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_moe_padded_dispatch_equals_unpadded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Padding each expert's rows (what bf16 on a CPU does) changes nothing but the
+    row counts the experts see: output and every gradient equal the unpadded
+    dispatch. Checked in fp32 with the padding forced, so round-off cannot hide a
+    misplaced row."""
+    from xmodlm.model import moe as moe_mod
+
+    torch.manual_seed(0)
+    layer = MoEMLP(16, 32, n_experts=4, top_k=2)
+    x = torch.randn(3, 10, 16, requires_grad=True)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        seen.clear()
+        y, aux = layer(x)
+        loss = (y * torch.arange(16.0)).sum() + aux["moe_balance"]
+        return (y, *torch.autograd.grad(loss, [x, *layer.parameters()]))
+
+    seen: list[int] = []
+    for expert in layer.experts:
+        expert.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
+    plain = run()
+    assert sum(seen) == 3 * 10 * 2
+    monkeypatch.setattr(moe_mod, "rows_multiple", lambda _x: 8)
+    padded = run()
+    assert all(n % 8 == 0 for n in seen) and sum(seen) > 3 * 10 * 2
+    for a, b in zip(padded, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_pads_rows_only_for_low_precision_cpu_matmuls() -> None:
+    from xmodlm.model.moe import CPU_LOW_PRECISION_ROWS_MULTIPLE, rows_multiple
+
+    x = torch.randn(4, 8)
+    assert rows_multiple(x) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert rows_multiple(x) == CPU_LOW_PRECISION_ROWS_MULTIPLE
+        layer = MoEMLP(8, 16, n_experts=4, top_k=2)
+        seen: list[int] = []
+        for expert in layer.experts:
+            expert.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
+        layer(torch.randn(2, 40, 8))
+    assert seen and all(n % CPU_LOW_PRECISION_ROWS_MULTIPLE == 0 for n in seen)
+
+
 def test_logits_carry_a_graph_only_without_targets() -> None:
     """With targets the loss is the training path and the logits come back detached
     (a compiled step would otherwise zero-fill a (B, T, V) gradient for them every

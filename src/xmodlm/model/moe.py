@@ -11,12 +11,21 @@ scores, a bias-balanced router) is one new class here with the same
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xmodlm.model.layers import SwiGLU
+from xmodlm.model.layers import SwiGLU, matmul_dtype
+
+# On a CPU, a bf16 (or fp16) matmul runs through oneDNN, which builds and JIT-compiles
+# a kernel for every new operand shape and keeps a bounded cache of them. An
+# expert's row count changes every step, so unpadded dispatch pays that build
+# (about 2 ms a matmul at width 128) over and over. Padding each expert's rows to a
+# multiple of this keeps the shapes to a few dozen that stay cached; fp32 CPU
+# matmuls and GPU matmuls have no per-shape cost and are not padded.
+CPU_LOW_PRECISION_ROWS_MULTIPLE = 32
 
 
 def load_balancing_loss(probs_NE: torch.Tensor, expert_NK: torch.Tensor) -> torch.Tensor:
@@ -70,10 +79,14 @@ class MoEMLP(nn.Module):
     """Dropless token-choice MoE: each token picks its top-k experts (router in fp32).
 
     Tokens are sorted by expert and each expert runs once on its contiguous slice,
-    so compute is exactly top_k expert MLPs per token. Under ``torch.compile`` the
-    slice sizes (read on the host) are one graph break per MoE layer; after one
-    recompile dynamo treats them as dynamic, so the experts stay compiled. With
-    one expert and top_k = 1 the layer equals a plain SwiGLU with the same weights.
+    so compute is exactly top_k expert MLPs per token, plus, for low-precision
+    matmuls on a CPU, rows that pad each slice to a multiple of
+    :data:`CPU_LOW_PRECISION_ROWS_MULTIPLE` (copies of token 0 whose outputs are
+    weighted by zero, so they add nothing, forward or backward; the FLOP count
+    leaves them out). Under ``torch.compile`` the slice sizes
+    (read on the host) are one graph break per MoE layer; after one recompile
+    dynamo treats them as dynamic, so the experts stay compiled. With one expert
+    and top_k = 1 the layer equals a plain SwiGLU with the same weights.
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int) -> None:
@@ -84,20 +97,45 @@ class MoEMLP(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         B, T, D = x_BTD.shape
-        x_ND = x_BTD.reshape(B * T, D)
+        N = B * T
+        x_ND = x_BTD.reshape(N, D)
         weight_NK, expert_NK, aux = self.router(x_ND)
 
         flat_expert = expert_NK.flatten()
         order = torch.argsort(flat_expert, stable=True)
         token_of = order // self.top_k
+        weight_of = weight_NK.flatten()[order]
         counts = torch.bincount(flat_expert, minlength=len(self.experts)).tolist()
+        multiple = rows_multiple(x_ND)
+        rows = [-(-n // multiple) * multiple for n in counts]
+        if rows != counts:  # padding rows: copies of token 0 that weigh nothing
+            slot = padded_slots(flat_expert[order], counts, rows)
+            token_of = token_of.new_zeros(sum(rows)).index_put((slot,), token_of)
+            weight_of = weight_of.new_zeros(sum(rows)).index_put((slot,), weight_of)
         x_sorted = x_ND[token_of]
         outs = [
             expert(chunk)
-            for expert, chunk in zip(self.experts, x_sorted.split(counts), strict=True)
+            for expert, chunk in zip(self.experts, x_sorted.split(rows), strict=True)
             if chunk.shape[0] > 0
         ]
-        y_sorted = torch.cat(outs) * weight_NK.flatten()[order].unsqueeze(-1).to(outs[0].dtype)
-        y_ND = torch.zeros(B * T, D, dtype=y_sorted.dtype, device=x_ND.device)
+        y_sorted = torch.cat(outs) * weight_of.unsqueeze(-1).to(outs[0].dtype)
+        y_ND = torch.zeros(N, D, dtype=y_sorted.dtype, device=x_ND.device)
         y_ND = y_ND.index_add(0, token_of, y_sorted)
         return y_ND.view(B, T, D), aux
+
+
+def rows_multiple(x_ND: torch.Tensor) -> int:
+    """The multiple each expert's row count is padded to (1: none); see the module constant."""
+    if x_ND.device.type == "cpu" and matmul_dtype(x_ND) in (torch.bfloat16, torch.float16):
+        return CPU_LOW_PRECISION_ROWS_MULTIPLE
+    return 1
+
+
+def padded_slots(expert_sorted: torch.Tensor, counts: list[int], rows: list[int]) -> torch.Tensor:
+    """Where each expert-sorted assignment goes when expert e's ``counts[e]``
+    assignments start a block of ``rows[e]`` rows: its rank within its expert plus
+    the block's start."""
+    first = torch.tensor([0, *accumulate(counts[:-1])], device=expert_sorted.device)
+    start = torch.tensor([0, *accumulate(rows[:-1])], device=expert_sorted.device)
+    rank = torch.arange(expert_sorted.numel(), device=expert_sorted.device)
+    return rank - first[expert_sorted] + start[expert_sorted]
