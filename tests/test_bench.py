@@ -472,3 +472,13 @@ def test_faster_mode_picks_the_fastest_of_three_and_eager_on_ties() -> None:
     assert faster_mode({"eager": 2.0, "compiled": 2.0, "compiled_model": 2.0}) == "eager"
     assert parse_modes("compiled_model, compiled") == ("compiled", "compiled_model")
     assert parse_modes(None) == ("compiled", "compiled_model")
+
+
+def test_law_fit_is_timed_in_a_fresh_process() -> None:
+    """The law-fit figure comes from a child process (what ``xmod law fit`` runs in),
+    so what the bench ran before cannot slow it; the child's timing comes back."""
+    from xmodlm.bench.run import QUICK_LAW_FIT, law_fit
+
+    got = law_fit(quick=True)
+    assert got["process"] == "fresh" and got["n_boot"] == QUICK_LAW_FIT["n_boot"]
+    assert 0 < got["seconds"] < 600
