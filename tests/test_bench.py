@@ -482,3 +482,19 @@ def test_law_fit_is_timed_in_a_fresh_process() -> None:
     got = law_fit(quick=True)
     assert got["process"] == "fresh" and got["n_boot"] == QUICK_LAW_FIT["n_boot"]
     assert 0 < got["seconds"] < 600
+
+
+def test_bench_lets_one_process_compile_every_model() -> None:
+    """One size compiles the same forward for six models at each thread count; with
+    dynamo's default limit of 8 variants some fell back to eager mid-bench."""
+    import torch._dynamo as dynamo
+
+    from xmodlm.bench import compile as bench_compile
+
+    before = dynamo.config.recompile_limit
+    try:
+        dynamo.config.recompile_limit = 8
+        bench_compile.reset()
+        assert dynamo.config.recompile_limit >= bench_compile.RECOMPILE_LIMIT >= 2 * 6
+    finally:
+        dynamo.config.recompile_limit = before

@@ -96,13 +96,23 @@ def parse_modes(modes: str | Iterable[str] | None) -> tuple[str, ...]:
     return tuple(m for m in COMPILED if m in names)
 
 
+# Dynamo keeps compiled variants per code object, shared by every model in the
+# process: one size compiles the same ``Transformer.forward`` (and, after MoE's graph
+# breaks, ``_aux_losses`` as a frame of its own) for six models, again at each thread
+# count (a guard of the compile). The default limit of 8 then sends some models back
+# to eager in the middle of the bench; a trainer compiles one model and never nears it.
+RECOMPILE_LIMIT = 64
+
+
 def reset() -> None:
-    """Forget every compiled graph (between sizes); nothing if dynamo is unavailable."""
+    """Forget every compiled graph (between sizes) and let one process hold every
+    model's variants (:data:`RECOMPILE_LIMIT`); nothing if dynamo is unavailable."""
     try:
         import torch._dynamo as dynamo
     except ImportError:
         return
     dynamo.reset()
+    dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def faster_mode(medians: dict[str, float]) -> str:

@@ -11,7 +11,6 @@ scores, a bias-balanced router) is one new class here with the same
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -105,11 +104,17 @@ class MoEMLP(nn.Module):
         order = torch.argsort(flat_expert, stable=True)
         token_of = order // self.top_k
         weight_of = weight_NK.flatten()[order]
-        counts = torch.bincount(flat_expert, minlength=len(self.experts)).tolist()
+        # one-hot, not bincount: traces under torch.compile (the host read is the one break)
+        counts_E = F.one_hot(flat_expert, len(self.experts)).sum(0)
         multiple = rows_multiple(x_ND)
+        # the one host read, of the raw counts: each changes every step, so under
+        # torch.compile all turn dynamic at the first recompile (padded sizes, which
+        # change less often, would specialise and recompile one by one)
+        counts = counts_E.tolist()
         rows = [-(-n // multiple) * multiple for n in counts]
-        if rows != counts:  # padding rows: copies of token 0 that weigh nothing
-            slot = padded_slots(flat_expert[order], counts, rows)
+        if multiple > 1:  # padding rows: copies of token 0 that weigh nothing
+            rows_E = (counts_E + multiple - 1) // multiple * multiple
+            slot = padded_slots(flat_expert[order], counts_E, rows_E)
             token_of = token_of.new_zeros(sum(rows)).index_put((slot,), token_of)
             weight_of = weight_of.new_zeros(sum(rows)).index_put((slot,), weight_of)
         x_sorted = x_ND[token_of]
@@ -131,11 +136,13 @@ def rows_multiple(x_ND: torch.Tensor) -> int:
     return 1
 
 
-def padded_slots(expert_sorted: torch.Tensor, counts: list[int], rows: list[int]) -> torch.Tensor:
-    """Where each expert-sorted assignment goes when expert e's ``counts[e]``
-    assignments start a block of ``rows[e]`` rows: its rank within its expert plus
-    the block's start."""
-    first = torch.tensor([0, *accumulate(counts[:-1])], device=expert_sorted.device)
-    start = torch.tensor([0, *accumulate(rows[:-1])], device=expert_sorted.device)
+def padded_slots(
+    expert_sorted: torch.Tensor, counts_E: torch.Tensor, rows_E: torch.Tensor
+) -> torch.Tensor:
+    """Where each expert-sorted assignment goes when expert e's ``counts_E[e]``
+    assignments start a block of ``rows_E[e]`` rows: its rank within its expert
+    plus the block's start."""
+    first_E = counts_E.cumsum(0) - counts_E
+    start_E = rows_E.cumsum(0) - rows_E
     rank = torch.arange(expert_sorted.numel(), device=expert_sorted.device)
-    return rank - first[expert_sorted] + start[expert_sorted]
+    return rank - first_E[expert_sorted] + start_E[expert_sorted]
