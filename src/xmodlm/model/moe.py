@@ -27,15 +27,19 @@ from xmodlm.model.layers import SwiGLU, matmul_dtype
 CPU_LOW_PRECISION_ROWS_MULTIPLE = 32
 
 
+def expert_counts(expert_NK: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Assignments per expert, (E,). A one-hot sum, not ``bincount``: its output
+    shape is static, so ``torch.compile`` traces it instead of breaking the graph."""
+    return F.one_hot(expert_NK.flatten(), n_experts).sum(0)
+
+
 def load_balancing_loss(probs_NE: torch.Tensor, expert_NK: torch.Tensor) -> torch.Tensor:
     """Switch-style balance loss: E * sum_e (fraction routed to e) * (mean prob of e).
 
     Equals 1 under perfectly uniform routing, whatever E and top-k.
     """
     n_experts = probs_NE.shape[-1]
-    # one-hot, not bincount: its output shape is static, so torch.compile traces it
-    counts_E = F.one_hot(expert_NK.flatten(), n_experts).sum(0).to(probs_NE.dtype)
-    frac_E = counts_E / expert_NK.numel()
+    frac_E = expert_counts(expert_NK, n_experts).to(probs_NE.dtype) / expert_NK.numel()
     return n_experts * (frac_E * probs_NE.mean(0)).sum()
 
 
@@ -104,8 +108,7 @@ class MoEMLP(nn.Module):
         order = torch.argsort(flat_expert, stable=True)
         token_of = order // self.top_k
         weight_of = weight_NK.flatten()[order]
-        # one-hot, not bincount: traces under torch.compile (the host read is the one break)
-        counts_E = F.one_hot(flat_expert, len(self.experts)).sum(0)
+        counts_E = expert_counts(flat_expert, len(self.experts))
         multiple = rows_multiple(x_ND)
         # the one host read, of the raw counts: each changes every step, so under
         # torch.compile all turn dynamic at the first recompile (padded sizes, which
