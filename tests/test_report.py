@@ -284,6 +284,25 @@ def test_headline_is_the_most_seeded_configuration_per_cell(tmp_path: Path) -> N
     assert "| 512 | 3e+13 | 128 | - (2 configurations with 1 seeds) | - |" in md
 
 
+def test_headline_tie_goes_to_the_configuration_run_at_more_budgets(tmp_path: Path) -> None:
+    """Lower tier: X-MoD S = 8 (the study's headline) and S = 4 (a law cell) have three
+    seeds each; S = 8 also runs on the upper tier. The lower tier's headline is S = 8,
+    not "no headline", even though S = 4 has the better mean there."""
+    s8 = {"stride": 8, "capacity": 0.125, "gating": "variance_scaled", "balance_coef": 0.01}
+    rows = []
+    for seed in range(3):
+        for C in (1e13, 3e13):
+            rows.append(_row("dense", 128, C, 5.0 + seed, seed=seed, val_loss_causal=5.0 + seed))
+            rows.append(_row("xmod", 128, C, 0, seed=seed, val_loss_causal=5.05 + seed, **s8))
+        rows.append(_row("xmod", 128, 1e13, 0, seed=seed, val_loss_causal=4.9 + seed,
+                         **{**s8, "stride": 4}))
+    rep = sweep_report_table(pd.DataFrame(rows), tmp_path)
+    lower, upper = rep["headline"]
+    for cell in (lower, upper):
+        x = cell["families"]["xmod"]
+        assert x["config"].startswith("xmod S=8") and x["mean"] == pytest.approx(0.05)
+
+
 def test_mechanism_effects_are_paired_within_seed(tmp_path: Path) -> None:
     """Gating {variance_scaled, sigmoid} x balancing {on, off}, three seeds, no lr
     column: sigmoid is worse by 0.019, 0.020, 0.021 (seed 0-2) whatever the balancing,

@@ -40,6 +40,7 @@ and ``report.json`` (the same numbers), all written atomically.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -249,25 +250,27 @@ def headline(
     over seeds, resolved or not). The headline configuration is the family's
     one with the most seeds in the cell: a study gives its headline cells the
     most seeds, and choosing the best mean instead would pick on seed noise.
-    Where several configurations share the most seeds (an ablation, a
-    learning-rate sweep) the family has no headline there: ``{"tied": k, "n":
-    seeds}``. With a law ``fit``, each row also carries what
+    Among configurations with equally many seeds, the one run in the most cells
+    of the sweep (a study runs its headline at every budget, its law cells at
+    some); where that ties too (an ablation, a learning-rate sweep) the family
+    has no headline there: ``{"tied": k, "n": seeds}``. With a law ``fit``, each row also carries what
     :func:`~xmodlm.law.recommend.recommend` answers at that budget and context
     for the cell's dense model's active parameters.
     """
     rows = []
     cells = sorted({(p["context"], p["tier"], p["width"]) for p in pairs})
+    spread = Counter(p["config"] for p in pairs)  # cells each configuration ran in
     for context, tier, width in cells:
         here = [p for p in pairs if (p["context"], p["tier"], p["width"]) == (context, tier, width)]
         row: dict[str, Any] = {"context": context, "tier": tier, "width": width, "families": {}}
         for family in HEADLINE_FAMILIES:
             mine = [p for p in here if p["family"] == family]
-            most = max((p["n"] for p in mine), default=0)
-            top = [p for p in mine if p["n"] == most]
+            most = max(((p["n"], spread[p["config"]]) for p in mine), default=(0, 0))
+            top = [p for p in mine if (p["n"], spread[p["config"]]) == most]
             if len(top) == 1:
                 row["families"][family] = top[0]
             elif top:  # no configuration stands out: nothing to headline
-                row["families"][family] = {"tied": len(top), "n": most}
+                row["families"][family] = {"tied": len(top), "n": most[0]}
         if fit is not None:
             row["law"] = _law_answer(fit, df, context, tier, width)
         rows.append(row)
