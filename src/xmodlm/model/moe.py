@@ -11,6 +11,7 @@ scores, a bias-balanced router) is one new class here with the same
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,8 @@ from xmodlm.model.layers import SwiGLU, matmul_dtype
 # multiple of this keeps the shapes to a few dozen that stay cached; fp32 CPU
 # matmuls and GPU matmuls have no per-shape cost and are not padded.
 CPU_LOW_PRECISION_ROWS_MULTIPLE = 32
+
+IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
 
 def expert_counts(expert_NK: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -114,10 +117,9 @@ class MoEMLP(nn.Module):
         # torch.compile all turn dynamic at the first recompile (padded sizes, which
         # change less often, would specialise and recompile one by one)
         counts = counts_E.tolist()
-        rows = [-(-n // multiple) * multiple for n in counts]
+        rows = [round_up(n, multiple) for n in counts]
         if multiple > 1:  # padding rows: copies of token 0 that weigh nothing
-            rows_E = (counts_E + multiple - 1) // multiple * multiple
-            slot = padded_slots(flat_expert[order], counts_E, rows_E)
+            slot = padded_slots(flat_expert[order], counts_E, round_up(counts_E, multiple))
             token_of = token_of.new_zeros(sum(rows)).index_put((slot,), token_of)
             weight_of = weight_of.new_zeros(sum(rows)).index_put((slot,), weight_of)
         x_sorted = x_ND[token_of]
@@ -137,6 +139,12 @@ def rows_multiple(x_ND: torch.Tensor) -> int:
     if x_ND.device.type == "cpu" and matmul_dtype(x_ND) in (torch.bfloat16, torch.float16):
         return CPU_LOW_PRECISION_ROWS_MULTIPLE
     return 1
+
+
+def round_up(n: IntOrTensor, multiple: int) -> IntOrTensor:
+    """``n`` rounded up to a multiple of ``multiple``: the padded row count of an expert
+    (a host int for the split, or the (E,) counts on the device for the slots)."""
+    return -(-n // multiple) * multiple
 
 
 def padded_slots(

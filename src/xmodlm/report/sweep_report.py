@@ -253,9 +253,9 @@ def headline(
     Among configurations with equally many seeds, the one run in the most cells
     of the sweep (a study runs its headline at every budget, its law cells at
     some); where that ties too (an ablation, a learning-rate sweep) the family
-    has no headline there: ``{"tied": k, "n": seeds}``. With a law ``fit``, each row also carries what
-    :func:`~xmodlm.law.recommend.recommend` answers at that budget and context
-    for the cell's dense model's active parameters.
+    has no headline there: ``{"tied": k, "n": seeds}``. With a law ``fit``, each
+    row also carries what :func:`~xmodlm.law.recommend.recommend` answers at that
+    budget and context for the cell's dense model's active parameters.
     """
     rows = []
     cells = sorted({(p["context"], p["tier"], p["width"]) for p in pairs})
