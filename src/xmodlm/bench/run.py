@@ -241,7 +241,7 @@ def law_fit(quick: bool) -> dict[str, Any]:
             f"sys.stdout.write('\\n' + json.dumps(bench_fit(**{args!r})))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     seconds = float(done.stdout.strip().splitlines()[-1])
-    return {"seconds": seconds, **args, "source": "xmodlm.law.bench.bench_fit",
+    return {"seconds": seconds, **args, "source": "xmodlm.law.bench",
             "process": "fresh"}
 
 
