@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from test_train import small_cfg
+from xmodlm import flops
 from xmodlm.errors import UserError
 from xmodlm.eval import evaluate_run
 from xmodlm.eval.tasks import (
@@ -181,3 +182,45 @@ def test_decode_runs_side_by_side(tiny_run: Path, tiny_data_dir: Path, tmp_path:
     assert d["tokens_per_s"] > 0 and d["tokens_per_s_vs_first"] == 1.0
     assert main(["bench", "--decode-runs", str(dense)]) == 2
     assert main(["bench", "--decode-runs", f"{dense},{tmp_path / 'none'}"]) == 2
+
+
+def test_training_calibrates_and_eval_reports_both_rules(tiny_run: Path, tmp_path: Path) -> None:
+    """The trained run's checkpoint carries calibrated thresholds; eval reports the
+    rule in effect beside the half rule, with FLOPs against the budget and KV
+    bytes against the ideal; `xmod calibrate` restores thresholds a run lost."""
+    import shutil
+
+    from xmodlm.eval.calibrate import calibrate_run
+    from xmodlm.model.kv_cache import kv_bytes_formula
+    from xmodlm.train.checkpoint import checkpoint_dirs, load_run, rewrite_model_weights
+
+    cfg, model, _ = load_run(tiny_run)
+    assert model.threshold_rule() == "calibrated"
+    res = evaluate_run(tiny_run, max_batches=2, tasks=())
+    assert res["threshold_rule"] == "calibrated" and res["threshold_source"] == "checkpoint"
+    assert res["test_loss_causal_half"] == res["val_loss_causal_half"] > 0
+    assert len(res["capacity_causal_half"]) == len(res["capacity_causal"]) == 2
+    fl = res["flops_per_token"]
+    assert fl["budget"] == flops.count(cfg.model).flops_forward
+    assert fl["causal"] == flops.inference_flops(cfg.model, res["capacity_causal"])
+    assert fl["causal_over_budget"] == pytest.approx(fl["causal"] / fl["budget"])
+    assert res["kv_bytes_ideal"] == kv_bytes_formula(cfg.model, 1)
+    assert res["kv_over_ideal"] == pytest.approx(res["kv_bytes_per_token"] / res["kv_bytes_ideal"])
+    # a run whose checkpoint lost its thresholds: eval calibrates in memory, the same way
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    ckpt = checkpoint_dirs(run)[-1]
+    for block in model.routed_blocks():
+        block.router.threshold.zero_()
+        block.router.calibrated.zero_()
+    rewrite_model_weights(ckpt, model)
+    assert load_run(run)[1].threshold_rule() == "half (not calibrated)"
+    lost = evaluate_run(run, max_batches=2, tasks=())
+    assert lost["threshold_source"].startswith("calibrated here")
+    assert lost["val_loss_causal"] == res["val_loss_causal"]
+    record = calibrate_run(run)
+    assert record["rule_before"] == "half (not calibrated)" and record["rule"] == "calibrated"
+    assert (run / "calibration.json").is_file()
+    again = evaluate_run(run, max_batches=2, tasks=())
+    assert again["threshold_source"] == "checkpoint"
+    assert again["val_loss_causal"] == res["val_loss_causal"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_model_cfg
-from xmodlm.bench.decode import calibrate_routers_, decode_benchmark
+from xmodlm.bench.decode import calibrate_untrained_, decode_benchmark
 from xmodlm.config import Config
 from xmodlm.errors import UserError
 from xmodlm.export import generate_from_run
@@ -28,6 +28,8 @@ FAMILIES = {
         n_layers=8, stride=4, capacity=0.25, gating="variance_scaled", causal_router="predictor"
     ),
     "moe": dict(mlp="moe", n_experts=4, moe_top_k=2),
+    # thresholds calibrated away from 0 (the half rule): decoding must use them too
+    "xmod_calibrated": dict(n_layers=8, stride=4, capacity=0.25, calibrate=True),
 }
 
 
@@ -42,15 +44,23 @@ def _one_thread():  # noqa: ANN202
 
 
 def _model(**changes: object) -> Transformer:
-    """A tiny model with O(1) logits and routers whose causal decisions are mixed."""
+    """A tiny model with O(1) logits and routers whose causal decisions are mixed
+    (``calibrate``: thresholds calibrated on random tokens)."""
+    calibrate = changes.pop("calibrate", False)
     model = Transformer(tiny_model_cfg(init_std=0.2, **changes)).eval()
     for block in model.blocks:
         if isinstance(block, RoutedBlock):
             torch.nn.init.normal_(block.router.weight, std=1.0)
-            if block.predictor is not None:
-                for layer in block.predictor:
+            if block.router.head is not None:
+                for layer in block.router.head:
                     if isinstance(layer, torch.nn.Linear):
                         torch.nn.init.normal_(layer.weight, std=1.0)
+    if calibrate:
+        gen = torch.Generator().manual_seed(7)
+        thresholds = model.calibrate_thresholds_(
+            torch.randint(0, model.cfg.vocab_size, (16, model.cfg.context), generator=gen)
+        )
+        assert min(abs(t) for t in thresholds) > 0.1, "thresholds should differ from 0"
     return model
 
 
@@ -94,7 +104,7 @@ def test_cache_decoding_equals_causal_forward(family: str) -> None:
     assert cache.bytes_used() <= cache.bytes_allocated()
 
 
-@pytest.mark.parametrize("family", ["dense", "xmod_bce", "xmod_predictor", "moe"])
+@pytest.mark.parametrize("family", ["dense", "xmod_bce", "xmod_predictor", "xmod_calibrated", "moe"])
 def test_greedy_generation_follows_forward_argmax(family: str) -> None:
     model = _model(**FAMILIES[family])
     prompt = torch.randint(0, model.cfg.vocab_size, (9,)).tolist()
@@ -215,8 +225,8 @@ def test_kv_formula_ratio_is_active_depth_fraction() -> None:
 
 def test_calibrated_routers_and_benchmark() -> None:
     model = Transformer(tiny_model_cfg(n_layers=8, stride=4, capacity=0.25, context=64)).eval()
-    reached = calibrate_routers_(model, 0.25, batch=8)
-    assert all(abs(f - 0.25) < 0.02 for f in reached)
+    reached = calibrate_untrained_(model)
+    assert len(reached) == 6 and all(abs(f - 0.25) < 0.05 for f in reached)
     res = decode_benchmark(model, batch=2, prompt_len=16, new_tokens=8, repeats=1)
     assert res["tokens_per_s"] > 0 and 0 < res["routed_fraction"] < 1
     assert 0 < res["kv_bytes_used"] <= res["kv_bytes_allocated"]

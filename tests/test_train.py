@@ -333,8 +333,8 @@ def test_weight_decay_groups() -> None:
     names = {n: id(p) in ids for n, p in model.named_parameters()}
     assert not names["blocks.1.router.weight"] and not names["blocks.2.block.mlp.router.weight"]
     assert not names["blocks.1.gamma"] and not names["embed.weight"] and not names["norm.weight"]
-    assert not names["blocks.1.predictor.0.bias"]
-    assert names["blocks.1.predictor.0.weight"] and names["blocks.1.predictor.2.weight"]
+    assert not names["blocks.1.router.head.0.bias"]
+    assert names["blocks.1.router.head.0.weight"] and names["blocks.1.router.head.2.weight"]
     assert names["head.weight"] and names["blocks.0.block.attn.proj.weight"]
     assert names["blocks.1.block.mlp.down.weight"]
     n_params = len(list(model.parameters()))

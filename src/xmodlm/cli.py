@@ -521,10 +521,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
               f"  bpb {result['val_bpb']:.4f}  agreement {result['routing_agreement']}")
         print(f"KV cache {result['kv_bytes_per_token']:.0f} bytes per token of context"
               f" ({result['kv_fraction']:.3f} of every block caching every token)")
+        if "threshold_rule" in result:
+            fl = result["flops_per_token"]
+            fractions = " ".join(f"{f:.3f}" for f in result["capacity_causal"])
+            print(f"causal routing, {result['threshold_rule']} threshold"
+                  f" ({result['threshold_source']}): routed fractions {fractions}"
+                  f" (c = {result['capacity_target']:g}); forward FLOPs"
+                  f" {fl['causal_over_budget']:.3f}x the budget; KV"
+                  f" {result['kv_over_ideal']:.3f}x ideal")
+            print(f"half rule (sigmoid(r) > 1/2): causal loss {result['val_loss_causal_half']:.4f},"
+                  f" FLOPs {fl['causal_half_over_budget']:.3f}x the budget")
         for name, task in result["tasks"].items():
             lo, hi = task["ci95"]
             print(f"{name}: {task['accuracy']:.3f} [95% {lo:.3f}-{hi:.3f}] on {task['items']}"
                   f" items (chance {task['chance']})")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from xmodlm.eval.calibrate import calibrate_run
+
+    record = calibrate_run(args.run_dir, data_dir=args.data, n_tokens=args.tokens,
+                           device=_check_device(args.device))
+    if args.json:
+        _print_json(record)
+    else:
+        print(f"{record['checkpoint']}: {len(record['thresholds'])} sparse blocks calibrated"
+              f" on {record['tokens']:,} training tokens to route c = {record['capacity']:g}"
+              f" (rule before: {record['rule_before']})")
     return 0
 
 
@@ -754,6 +778,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser(
+        "calibrate",
+        help="set a run's causal routing thresholds to route c (rewrites its newest checkpoint)",
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--data", default=None, help="data directory (default: the run's)")
+    p.add_argument("--tokens", type=int, default=None, metavar="N",
+                   help="training tokens to calibrate on (default: as training does)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser(
         "lm-eval", help="lm-evaluation-harness tasks on a run (needs the 'eval' extra)"

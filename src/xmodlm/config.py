@@ -23,10 +23,12 @@ from typing import Any
 import yaml
 
 from xmodlm.errors import UserError
+from xmodlm.model.depth_routers import kinds as depth_router_kinds
 from xmodlm.record import MOD_RECIPE
 
 GATINGS = ("logit", "sigmoid", "variance_scaled")
-CAUSAL_ROUTERS = ("bce", "predictor")
+CAUSAL_ROUTERS = tuple(sorted(depth_router_kinds()))  # xmodlm.model.depth_routers
+CAUSAL_THRESHOLDS = ("calibrated", "half")  # xmodlm.model.depth_router
 MLPS = ("swiglu", "moe")
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("auto", "bf16", "fp32")
@@ -51,6 +53,9 @@ class ModelConfig:
     balance_coef: float = 0.0  # depth-wise token balancing loss weight (0: off, no cost)
     causal_router: str = "bce"  # bce: BCE on router logits | predictor: stop-grad MLP
     causal_coef: float = 1e-2  # weight of the causal-decision BCE loss
+    # calibrated: each sparse block's inference threshold routes c of the tokens
+    # (set after training and at every evaluation); half: sigmoid(r) > 1/2
+    causal_threshold: str = "calibrated"
     # --- MLP / MoE ------------------------------------------------------------
     mlp: str = "swiglu"  # swiglu | moe
     n_experts: int = 8
@@ -123,6 +128,7 @@ class ModelConfig:
             raise UserError(f"model.d_model/n_heads={self.head_dim}: rotary needs an even head dim")
         _choice(self, "gating", GATINGS)
         _choice(self, "causal_router", CAUSAL_ROUTERS)
+        _choice(self, "causal_threshold", CAUSAL_THRESHOLDS)
         _choice(self, "mlp", MLPS)
         if self.layout:
             bad = set(self.layout) - set("DsE")

@@ -8,7 +8,8 @@ Conventions (one for every family, so comparisons are fair):
   which is what SDPA computes in a training forward pass;
 * a sparse block runs on k = max(1, round(c T)) tokens per sequence: its linear
   part scales with k/T and its attention with (k/T)^2; the router (2 d) runs on
-  every token, and so does the causal predictor when there is one;
+  every token, and so does its depth-router kind's decision head, if it has one
+  (the kind states its cost: :mod:`xmodlm.model.depth_routers`);
 * an MoE block runs its router (2 d E) on every token and top_k expert MLPs;
 * training = 3 x forward.
 
@@ -29,8 +30,7 @@ from dataclasses import dataclass
 
 from xmodlm.config import ModelConfig
 from xmodlm.errors import UserError
-
-PREDICTOR_HIDDEN_DIV = 4  # the causal predictor's hidden width is d_model / 4
+from xmodlm.model.depth_routers import DepthRouterKind, make_kind
 
 
 def capacity_tokens(capacity: float, seq_len: int) -> int:
@@ -66,11 +66,8 @@ class Counts:
         }
 
 
-def _predictor_params(cfg: ModelConfig) -> int:
-    if cfg.causal_router != "predictor":
-        return 0
-    h = max(1, cfg.d_model // PREDICTOR_HIDDEN_DIV)
-    return cfg.d_model * h + h + h + 1
+def _router_kind(cfg: ModelConfig) -> DepthRouterKind:
+    return make_kind(cfg.causal_router, cfg.d_model)
 
 
 def block_params(cfg: ModelConfig, letter: str) -> tuple[int, float]:
@@ -88,7 +85,7 @@ def block_params(cfg: ModelConfig, letter: str) -> tuple[int, float]:
     if letter == "D":
         return body, float(body)
     frac = capacity_tokens(cfg.capacity, cfg.context) / cfg.context
-    extra = d + (1 if cfg.gating == "variance_scaled" else 0) + _predictor_params(cfg)
+    extra = d + (1 if cfg.gating == "variance_scaled" else 0) + _router_kind(cfg).extra_params()
     return body + extra, body * frac + extra
 
 
@@ -102,13 +99,36 @@ def block_flops(cfg: ModelConfig, letter: str, context: int) -> float:
         router = 2 * d * cfg.n_experts
         return linear_attn + 4 * d * T + router + cfg.moe_top_k * 6 * d * cfg.expert_dim
     k = capacity_tokens(cfg.capacity, T)
-    frac = k / T
-    routed = frac * (linear_attn + 6 * d * f) + frac * 4 * d * k
-    predictor = 0
-    if cfg.causal_router == "predictor":
-        h = max(1, d // PREDICTOR_HIDDEN_DIV)
-        predictor = 2 * d * h + 2 * h
-    return routed + 2 * d + predictor
+    return sparse_block_flops(cfg, k / T, k)
+
+
+def sparse_block_flops(cfg: ModelConfig, fraction: float, keys: float) -> float:
+    """Forward FLOPs per token of a sparse block that processes ``fraction`` of the
+    tokens, each attending over ``keys`` routed keys: the linear part and attention
+    scale with the fraction; the router and the kind's head run on every token. In
+    training the fraction is k / T over k keys; at inference, the fraction f the
+    causal decision routes, over f T keys (:func:`inference_flops`)."""
+    d, f = cfg.d_model, cfg.ffn_dim
+    routed = fraction * (8 * d * d + 6 * d * f) + fraction * 4 * d * keys
+    return routed + 2 * d + _router_kind(cfg).extra_flops()
+
+
+def inference_flops(cfg: ModelConfig, fractions: list[float], context: int | None = None) -> float:
+    """Forward FLOPs per token under causal routing, each sparse block (in depth
+    order) processing its measured ``fractions`` of the tokens; the training count
+    (:func:`count`) is this with every fraction k / T, the budget inference should
+    meet."""
+    T = context or cfg.context
+    sparse = iter(fractions)
+    fwd = 2.0 * cfg.d_model * cfg.vocab_size
+    for letter in cfg.block_layout:
+        if letter == "s":
+            fraction = next(sparse)
+            fwd += sparse_block_flops(cfg, fraction, fraction * T)
+        else:
+            fwd += block_flops(cfg, letter, T)
+    assert next(sparse, None) is None, "more fractions than sparse blocks"
+    return fwd
 
 
 def count(cfg: ModelConfig, context: int | None = None) -> Counts:

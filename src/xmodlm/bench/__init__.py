@@ -26,7 +26,7 @@ The method, the machine and the figures measured on it are in ``docs/benchmarks.
 from __future__ import annotations
 
 from xmodlm.bench.compile import compile_blocks
-from xmodlm.bench.decode import calibrate_routers_, decode_benchmark
+from xmodlm.bench.decode import calibrate_untrained_, decode_benchmark
 from xmodlm.bench.gpt2 import GPT2Reference, gpt2_counts
 from xmodlm.bench.run import run_bench
 from xmodlm.bench.sizes import SIZES, bench_configs, family_configs, parse_sizes, parse_threads
@@ -37,7 +37,7 @@ __all__ = [
     "TARGETS",
     "GPT2Reference",
     "bench_configs",
-    "calibrate_routers_",
+    "calibrate_untrained_",
     "compile_blocks",
     "decode_benchmark",
     "family_configs",

@@ -1,10 +1,8 @@
-"""Decode speed of the model family, and the router calibration it needs.
+"""Decode speed of the model family.
 
-Decoding is timed on untrained models, whose routers route about half the
-tokens causally instead of the capacity ``c`` a trained router reaches.
-:func:`calibrate_routers_` fixes that by rewriting router weights in place,
-which is why it lives with the benchmark and not in :mod:`xmodlm.model`: no
-model code path should be able to change a trained model's weights this way.
+Decoding is timed on untrained models. Their causal thresholds are calibrated on
+random tokens (:func:`calibrate_untrained_`), as training calibrates them on text,
+so each sparse block routes the fraction it would be trained at.
 """
 
 from __future__ import annotations
@@ -16,78 +14,26 @@ from typing import Any
 import torch
 
 from xmodlm.errors import UserError
-from xmodlm.model import routing
-from xmodlm.model.blocks import RoutedBlock
 from xmodlm.model.generate import Decoder, sample_next
 from xmodlm.model.transformer import Transformer
 
 
-@torch.inference_mode()
-def calibrate_routers_(
-    model: Transformer,
-    fraction: float | None = None,
-    *,
-    batch: int = 4,
-    seq_len: int | None = None,
-    seed: int = 0,
+@torch.no_grad()
+def calibrate_untrained_(
+    model: Transformer, *, batch: int = 32, seq_len: int | None = None, seed: int = 0
 ) -> list[float]:
-    """Make an *untrained* model route about ``fraction`` of tokens causally.
-
-    An untrained router's logit r = x . w is symmetric about zero, so the causal
-    decision sigmoid(r) > 1/2 routes about half the tokens whatever the weights'
-    scale, while a trained router routes about c. To time decoding at a trained
-    model's routed fraction without training, this modifies the model in place:
-
-    * BCE routers (no bias): a shared random vector, as long as a typical
-      embedding, is added to every token embedding (trained residual streams
-      have such a common direction), and each sparse block's router, in depth
-      order, becomes ``w = s (u - beta m)``: ``m`` the mean direction of the
-      block's inputs on random tokens, ``u`` a random unit vector orthogonal to
-      it, ``beta`` the ``1 - fraction`` quantile of ``(x.u) / (x.m)`` so that
-      r > 0 for about ``fraction`` of tokens, ``s`` scaling r to unit spread;
-    * predictors: the output bias is set to minus that quantile of the logit.
-
-    Returns the routed fraction each sparse block reaches on the calibration
-    tokens (fraction defaults to the config's capacity).
-    """
+    """Calibrate an untrained model's causal thresholds on random tokens
+    (``Transformer.calibrate_thresholds_``); returns the fraction each sparse block
+    then routes on *other* random tokens (the target is k / T)."""
     cfg = model.cfg
-    fraction = cfg.capacity if fraction is None else fraction
-    assert 0.0 < fraction < 1.0
     gen = torch.Generator().manual_seed(seed)
     device = model.embed.weight.device
     T = seq_len or cfg.context
-    idx = torch.randint(0, cfg.vocab_size, (batch, T), generator=gen).to(device)
-    routed = [b for b in model.blocks if isinstance(b, RoutedBlock)]
-    if any(b.predictor is None for b in routed):
-        emb = model.embed.weight
-        shared = torch.randn(cfg.d_model, generator=gen).to(emb)
-        emb += shared / shared.norm() * emb.norm(dim=-1).mean()
-    pos_T = torch.arange(T, device=device)
-    x = model.embed(idx)
-    reached = []
-    for block in model.blocks:
-        if isinstance(block, RoutedBlock):
-            x_ND = x.reshape(-1, cfg.d_model).float()
-            if block.predictor is None:
-                m = x_ND.mean(0)
-                m = m / m.norm()
-                u = torch.randn(cfg.d_model, generator=gen).to(m)
-                u = u - (u @ m) * m
-                u = u / u.norm()
-                p_u, p_m = x_ND @ u, x_ND @ m
-                assert (p_m > 0).all(), "calibration needs the shared embedding direction"
-                beta = torch.quantile(p_u / p_m, 1.0 - fraction)
-                r = p_u - beta * p_m
-                w = (u - beta * m) / r.std()
-                block.router.weight.copy_(w.unsqueeze(0).to(block.router.weight))
-            else:
-                last = block.predictor[-1]
-                logit = block.predictor(x_ND).squeeze(-1)
-                last.bias -= torch.quantile(logit, 1.0 - fraction)
-            d = block.decision_logits(x, block.router_logits(x))
-            reached.append(float(routing.causal_decision(d).float().mean()))
-        x, _ = block(x, model.rope, pos_T, "causal")
-    return reached
+    calib, check = (
+        torch.randint(0, cfg.vocab_size, (batch, T), generator=gen).to(device) for _ in range(2)
+    )
+    model.calibrate_thresholds_(calib)
+    return model(check, routing_mode="causal", return_stats=True).stats.get("capacity_used", [])
 
 
 @torch.inference_mode()
@@ -183,8 +129,7 @@ def decode(dense: Transformer, xmod: Transformer, quick: bool) -> dict[str, Any]
     was = dense.training, xmod.training
     dense.eval()
     xmod.eval()
-    # an untrained router routes about half the tokens causally; a trained one ~c
-    reached = calibrate_routers_(xmod)
+    reached = calibrate_untrained_(xmod)
     out: dict[str, Any] = {"prompt_len": prompt, "new_tokens": new, "batch": 1}
     for name, model in (("dense", dense), ("xmod", xmod)):
         res = decode_benchmark(model, batch=1, prompt_len=prompt, new_tokens=new, repeats=3)

@@ -4,6 +4,11 @@ Held-out loss under top-k and causal routing (:func:`xmodlm.eval.loss.evaluate` 
 stratified windows of the chosen split), bits per byte, top-k/causal agreement,
 per-sparse-block capacity actually used under causal routing, and accuracy on the
 offline downstream tasks of :mod:`xmodlm.eval.tasks`.
+
+Causal routing is reported under the run's threshold rule and under the ``half``
+rule beside it (:mod:`xmodlm.eval.calibrate`), with what each spends: forward
+FLOPs per token at the fractions actually routed, against the budget training
+counted (every sparse block at k / T), and KV-cache bytes against the ideal.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ from typing import Any
 
 import torch
 
+from xmodlm import flops
 from xmodlm.data.batches import check_tokenizer, load_manifest, load_split, val_batches
 from xmodlm.data.tokenizer import Tokenizer
 from xmodlm.errors import UserError
 from xmodlm.eval import tasks as task_mod
+from xmodlm.eval.calibrate import calibration_windows
 from xmodlm.eval.loss import evaluate
+from xmodlm.model.kv_cache import kv_bytes_formula
 from xmodlm.train.checkpoint import load_run, tokenizer_path
 
 
@@ -47,6 +55,11 @@ def evaluate_run(
     ``routing_agreement`` (None without sparse blocks), ``capacity_causal`` (one
     fraction per sparse block; empty without), ``kv_bytes_per_token`` and
     ``kv_fraction`` (:func:`kv_cache_per_token`, on the first batch of windows),
+    and with sparse blocks: ``threshold_rule`` and ``threshold_source``
+    (``checkpoint``, or calibrated here in memory for a run that never stored its
+    thresholds), ``val_loss_causal_half`` and ``capacity_causal_half`` (the half
+    rule), ``flops_per_token`` {``budget``, ``causal``, ``causal_half``, and each
+    over the budget} and ``kv_bytes_ideal`` / ``kv_over_ideal``,
     ``tasks`` = {name: {accuracy, items, chance}} and bookkeeping (``checkpoint``,
     ``step``, ``split``, ``eval_tokens``).
     """
@@ -74,8 +87,15 @@ def evaluate_run(
     # no more windows than the split holds without overlap (at least one)
     n_batches = max(1, min(max_batches, (len(data) - 1) // (context * bs)))
     batches = val_batches(data, n_batches, bs, context)
+    source, calibration = None, None
+    if model.routed_blocks():
+        source = "checkpoint"
+        if model.threshold_rule() == "half (not calibrated)":
+            source = "calibrated here, not stored (xmod calibrate RUN stores it)"
+            train = load_split(data_dir, "train")
+            calibration = calibration_windows(train, context)
     ev = evaluate(model, batches, torch.device(device), dtype, manifest, split,
-                  desc=f"eval {split} loss")
+                  desc=f"eval {split} loss", calibration=calibration, compare_rules=True)
     result: dict[str, Any] = {
         "run_dir": str(run_dir),
         "checkpoint": str(ckpt),
@@ -97,6 +117,23 @@ def evaluate_run(
         if key in ev:
             result[key] = ev[key]
     result.update(kv_cache_per_token(model, batches[0][0].to(device)))
+    if source is not None:
+        budget = flops.count(cfg.model).flops_forward
+        spent = {rule: flops.inference_flops(cfg.model, ev[f"capacity_causal{suffix}"])
+                 for rule, suffix in (("causal", ""), ("causal_half", "_half"))}
+        ideal = kv_bytes_formula(cfg.model, 1, dtype_bytes=model.embed.weight.element_size())
+        result.update(
+            threshold_rule=ev["threshold_rule"],
+            threshold_source=source,
+            val_loss_causal_half=ev["val_loss_causal_half"],
+            capacity_causal_half=ev["capacity_causal_half"],
+            flops_per_token={"budget": budget, **spent,
+                             **{f"{k}_over_budget": v / budget for k, v in spent.items()}},
+            kv_bytes_ideal=ideal,
+            kv_over_ideal=result["kv_bytes_per_token"] / ideal,
+        )
+        if split != "val":
+            result[f"{split}_loss_causal_half"] = ev["val_loss_causal_half"]
     result["tasks"] = {}
     if names:
         tok_file = _tokenizer_file(run_dir, data_dir)

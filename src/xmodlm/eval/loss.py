@@ -6,11 +6,13 @@ One function serves evaluation inside training (the trainer calls it every
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from xmodlm.data.batches import bits_per_byte
+from xmodlm.eval.calibrate import calibrate
 from xmodlm.hardware import autocast_context
 from xmodlm.model import Transformer
 from xmodlm.progress import track
@@ -25,26 +27,44 @@ def evaluate(
     manifest: dict[str, Any] | None = None,
     split: str = "val",
     desc: str | None = None,
+    calibration: torch.Tensor | None = None,
+    compare_rules: bool = False,
 ) -> dict[str, Any]:
     """Validation loss under top-k and causal routing, bits per byte, routing stats.
 
-    ``desc``: the stage name of a progress display on stderr, per batch (none without
-    it: the trainer's own bar covers evaluation inside training)."""
+    Causal routing follows the model's threshold rule (``threshold_rule`` in the
+    result). ``calibration``: training windows to calibrate the thresholds on
+    first (:mod:`xmodlm.eval.calibrate`), for a model whose rule is ``calibrated``.
+    ``compare_rules``: also the causal loss and routed fractions under the
+    ``half`` rule (``val_loss_causal_half``, ``capacity_causal_half``), beside the
+    rule in effect. ``desc``: the stage name of a progress display on stderr, per
+    batch (none without it: the trainer's own bar covers evaluation inside training).
+    """
+    routed = "s" in model.layout
+    if calibration is not None and routed and model.cfg.causal_threshold == "calibrated":
+        calibrate(model, calibration, device, dtype)
     was_training = model.training
     model.eval()
-    sums = {"topk": 0.0, "causal": 0.0}
+    rules = {"": None}
+    if compare_rules and routed:
+        rules["_half"] = "half"
+    sums = dict.fromkeys(["topk", *(f"causal{s}" for s in rules)], 0.0)
     stats_acc: dict[str, list[Any]] = {}
     for x, y in (track(batches, desc, unit="batch") if desc else batches):
         x, y = x.to(device), y.to(device)
         with autocast_context(device, dtype):
             out_t = model(x, y, routing_mode="topk", return_stats=True)
             sums["topk"] += float(out_t.loss)
-            if "s" in model.layout:
-                out_c = model(x, y, routing_mode="causal", return_stats=True)
-                sums["causal"] += float(out_c.loss)
-                stats_acc.setdefault("capacity_causal", []).append(out_c.stats["capacity_used"])
-            else:
-                sums["causal"] += float(out_t.loss)
+            for suffix, rule in rules.items():
+                if not routed:
+                    sums["causal"] += float(out_t.loss)
+                    continue
+                with model.using_threshold_rule(rule) if rule else contextlib.nullcontext():
+                    out_c = model(x, y, routing_mode="causal", return_stats=True)
+                sums[f"causal{suffix}"] += float(out_c.loss)
+                stats_acc.setdefault(f"capacity_causal{suffix}", []).append(
+                    out_c.stats["capacity_used"]
+                )
         for key, value in out_t.stats.items():
             stats_acc.setdefault(key, []).append(value)
     model.train(was_training)
@@ -53,6 +73,10 @@ def evaluate(
         "val_loss_topk": sums["topk"] / n,
         "val_loss_causal": sums["causal"] / n,
     }
+    if routed:
+        result["threshold_rule"] = model.threshold_rule()
+    if "causal_half" in sums:
+        result["val_loss_causal_half"] = sums["causal_half"] / n
     if manifest is not None:
         result["val_bpb"] = bits_per_byte(result["val_loss_topk"], manifest, split)
         result["val_bpb_causal"] = bits_per_byte(result["val_loss_causal"], manifest, split)

@@ -1,6 +1,28 @@
-"""The X-MoD model family: one transformer built from a layout string."""
+"""The X-MoD model family: one transformer built from a layout string.
 
-from xmodlm.flops import active_depth
-from xmodlm.model.transformer import ModelOutput, Transformer, stride_windows
+The package loads lazily: :mod:`xmodlm.model.depth_routers` (the depth-router
+kinds, whose costs FLOP accounting reads) imports no torch, so importing it must
+not pull in the transformer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from xmodlm.flops import active_depth
+    from xmodlm.model.transformer import ModelOutput, Transformer, stride_windows
 
 __all__ = ["ModelOutput", "Transformer", "active_depth", "stride_windows"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "active_depth":
+        from xmodlm.flops import active_depth
+
+        return active_depth
+    if name in __all__:
+        from xmodlm.model import transformer
+
+        return getattr(transformer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from xmodlm.config import ModelConfig
-from xmodlm.flops import PREDICTOR_HIDDEN_DIV, capacity_tokens
+from xmodlm.flops import capacity_tokens
 from xmodlm.model import routing
+from xmodlm.model.depth_router import DepthRouter
 from xmodlm.model.kv_cache import BlockCache
 from xmodlm.model.layers import Attention, RMSNorm, Rotary, SwiGLU, attention, matmul_dtype
 from xmodlm.model.moe import MoEMLP
@@ -176,12 +177,12 @@ class RoutedBlock(nn.Module):
     in causal order with their original rotary positions, block run on the k
     tokens only, gated branch scattered back.
 
-    ``mode="causal"`` (inference): a token is processed iff its causal decision
-    says so (sigmoid(r) > 1/2, or the predictor's logit > 0). The number of tokens
-    then varies by sequence, so this path runs the block on all tokens with
-    attention restricted to the selected keys and discards unselected outputs.
-    It gives exactly what token-by-token decoding computes and also serves as the
-    reference implementation that the gather path is tested against.
+    ``mode="causal"`` (inference): a token is processed iff its router's causal
+    decision says so (:class:`~xmodlm.model.depth_router.DepthRouter`). The number
+    of tokens then varies by sequence, so this path runs the block on all tokens
+    with attention restricted to the selected keys and discards unselected
+    outputs. It gives exactly what token-by-token decoding computes and also
+    serves as the reference implementation that the gather path is tested against.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -189,31 +190,14 @@ class RoutedBlock(nn.Module):
         self.block = Block(cfg)
         self.capacity = cfg.capacity
         self.gating = cfg.gating
-        self.causal_router = cfg.causal_router
-        self.router = nn.Linear(cfg.d_model, 1, bias=False)
+        self.router = DepthRouter(cfg.d_model, cfg.causal_router, cfg.causal_threshold)
         self.aux_weights = {"causal_bce": cfg.causal_coef}  # see DenseBlock
         self.gamma: nn.Parameter | None = None
         if cfg.gating == "variance_scaled":
             # neutral until the stack calibrates it (Transformer.init_gates_);
             # shape (1,), not a 0-d scalar: FSDP2 shards parameters along dim 0
             self.gamma = nn.Parameter(torch.full((1,), routing.NEUTRAL_GAMMA))
-        self.predictor: nn.Sequential | None = None
-        if cfg.causal_router == "predictor":
-            hidden = max(1, cfg.d_model // PREDICTOR_HIDDEN_DIV)
-            self.predictor = nn.Sequential(
-                nn.Linear(cfg.d_model, hidden), nn.SiLU(), nn.Linear(hidden, 1)
-            )
-
-    def router_logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """r = x . w in fp32, whatever the autocast dtype (:func:`routing.router_logits`)."""
-        return routing.router_logits(x_BTD, self.router.weight)
-
-    def decision_logits(self, x_BTD: torch.Tensor, r_BT: torch.Tensor) -> torch.Tensor:
-        """Logit of the causal decision: the router itself, or the stop-gradient predictor."""
-        if self.predictor is None:
-            return r_BT
-        with torch.autocast(device_type=x_BTD.device.type, enabled=False):
-            return self.predictor(x_BTD.detach().float()).squeeze(-1)
+        self._register_load_state_dict_pre_hook(_upgrade_router_state)
 
     def gate(self, r: torch.Tensor) -> torch.Tensor:
         return routing.gate(r, self.gating, self.gamma)
@@ -232,19 +216,26 @@ class RoutedBlock(nn.Module):
             # router, top-k and gather in one autograd node (router_logits' numbers)
             k = capacity_tokens(self.capacity, T)
             r_BT, idx_BK, x_BKD = routing.route(x_BTD, self.router.weight, k)
-            d_BT = self.decision_logits(x_BTD, r_BT)
-            causal_BT = routing.causal_decision(d_BT)
+            d_BT = self.router.decision_logits(x_BTD, r_BT)
+            causal_BT = self.router.decide(d_BT)
             topk_BT = routing.selection_mask(idx_BK, T)
             cos_T, sin_T = rope(pos_T) if rot is None else rot
             f_BKD, _ = self.block.branch(x_BKD, cos_T[idx_BK], sin_T[idx_BK])
             x_BTD = routing.gated_scatter(x_BTD, f_BKD, r_BT, idx_BK, self.gating, self.gamma)
             processed = topk_BT
         elif mode == "causal":
-            r_BT = self.router_logits(x_BTD)
-            d_BT = self.decision_logits(x_BTD, r_BT)
-            causal_BT = routing.causal_decision(d_BT)
+            r_BT = self.router.logits(x_BTD)
+            causal_BT = self.router.route(x_BTD, r_BT)
             topk_BT = None
             x_BTD = self.masked_forward(x_BTD, r_BT, causal_BT, rope, pos_T)
+            processed = causal_BT
+        elif mode == "calibrate":  # fit the threshold to this batch, then route by it
+            r_BT = self.router.logits(x_BTD)
+            d_BT = self.router.decision_logits(x_BTD, r_BT)
+            self.router.calibrate_(d_BT, capacity_tokens(self.capacity, T) / T)
+            causal_BT = routing.causal_decision(d_BT, self.router.threshold)
+            topk_BT = None
+            x_BTD = self.ragged_forward(x_BTD, r_BT, causal_BT, rope)
             processed = causal_BT
         else:
             raise AssertionError(f"unknown routing mode {mode!r}")
@@ -257,8 +248,26 @@ class RoutedBlock(nn.Module):
     def prefill(self, x_BTD: torch.Tensor, prompts: Prompts, cache: BlockCache) -> torch.Tensor:
         """The routed prompt tokens only (causal decision, never padding), gathered per
         sequence in causal order at their own positions; their keys and values cached."""
-        r_BT = self.router_logits(x_BTD)
-        sel_BT = routing.causal_decision(self.decision_logits(x_BTD, r_BT)) & prompts.valid_BT
+        r_BT = self.router.logits(x_BTD)
+        sel_BT = self.router.route(x_BTD, r_BT) & prompts.valid_BT
+        return self.ragged_forward(x_BTD, r_BT, sel_BT, prompts.rope, cache)
+
+    def ragged_forward(
+        self,
+        x_BTD: torch.Tensor,
+        r_BT: torch.Tensor,
+        sel_BT: torch.Tensor,
+        rope: Rotary,
+        cache: BlockCache | None = None,
+    ) -> torch.Tensor:
+        """The block on the tokens ``sel`` marks only, a varying number per sequence.
+
+        Each sequence's routed tokens are gathered in causal order at their own
+        positions (the index: windows or right-padded prompts start at position 0)
+        and padded to the most any sequence routes; the block runs on those, so the
+        cost follows the routed fraction (unlike :meth:`masked_forward`). Keys and
+        values of the routed tokens go to ``cache``, if given.
+        """
         counts_B = sel_BT.sum(1)
         counts = counts_B.tolist()
         kmax = max(counts)
@@ -271,19 +280,20 @@ class RoutedBlock(nn.Module):
         if min(counts) != kmax:  # padding queries see themselves; outputs zeroed below
             mask = routing.routed_attention_mask(valid_BK).unsqueeze(1)
         x_BKD = routing.gather_tokens(x_BTD, idx_BK)
-        cos, sin = prompts.rope(idx_BK)  # right padding: position = index
+        cos, sin = rope(idx_BK)
         f_BKD, k, v = self.block.branch_with(
             x_BKD, cos, sin, lambda q, k, v: attention(q, k, v, mask, causal=True)
         )
         g_BK = self.gate(torch.gather(r_BT, 1, idx_BK)) * valid_BK
-        cache.prefill(k, v, idx_BK, counts, counts_B)
+        if cache is not None:
+            cache.prefill(k, v, idx_BK, counts, counts_B)
         return routing.scatter_add_tokens(x_BTD, idx_BK, g_BK.unsqueeze(-1) * f_BKD)
 
     def step(self, x_B1D: torch.Tensor, step: DecodeStep, cache: BlockCache) -> torch.Tensor:
         """The new tokens whose causal decision routes them (one host sync to know
         which); the block is skipped when none does, and runs on just those rows."""
-        r_B1 = self.router_logits(x_B1D)
-        sel = routing.causal_decision(self.decision_logits(x_B1D, r_B1)[:, 0]).tolist()
+        r_B1 = self.router.logits(x_B1D)
+        sel = self.router.route(x_B1D, r_B1)[:, 0].tolist()
         if all(sel):
             f = self.block.cached_branch(x_B1D, step, cache)
             return x_B1D + (self.gate(r_B1).unsqueeze(-1) * f).to(x_B1D.dtype)
@@ -309,3 +319,20 @@ class RoutedBlock(nn.Module):
         f_BTD, _ = self.block.branch(x_BTD, cos, sin, mask_BTT)
         g_BT = self.gate(r_BT) * sel_BT
         return x_BTD + (g_BT.unsqueeze(-1) * f_BTD).to(x_BTD.dtype)
+
+
+def _upgrade_router_state(
+    state_dict: dict[str, torch.Tensor], prefix: str, *args: object
+) -> None:
+    """Checkpoints from before the depth-router seam load unchanged.
+
+    The predictor's weights were ``predictor.*`` on the block, now ``router.head.*``;
+    a checkpoint without thresholds was never calibrated: it gets threshold 0 and
+    ``calibrated`` false, so it says it uses the ``half`` rule until calibrated.
+    """
+    old = prefix + "predictor."
+    for key in [k for k in state_dict if k.startswith(old)]:
+        state_dict[prefix + "router.head." + key[len(old):]] = state_dict.pop(key)
+    if prefix + "router.weight" in state_dict:
+        state_dict.setdefault(prefix + "router.threshold", torch.zeros(1))
+        state_dict.setdefault(prefix + "router.calibrated", torch.zeros(1, dtype=torch.bool))

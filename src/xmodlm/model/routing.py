@@ -4,7 +4,8 @@ Everything that decides *which* tokens a sparse block processes and *how much*
 its output counts lives here, separately testable and free of module state:
 
 * the router logits (:func:`router_logits`), the causal decision
-  (:func:`causal_decision`) and the attention mask among routed tokens
+  (:func:`causal_decision`), the threshold that makes it route a given fraction
+  (:func:`threshold_for_fraction`) and the attention mask among routed tokens
   (:func:`routed_attention_mask`), used alike by training, the masked
   reference path and decoding;
 * expert-choice top-k per sequence (:func:`topk_indices`), gather and scatter,
@@ -28,11 +29,32 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_decision(d_BT: torch.Tensor) -> torch.Tensor:
-    """The causal routing decision: a token is processed iff its decision logit is
-    positive (sigmoid(r) > 1/2 for the router's own logit, or the predictor's logit
-    > 0). One rule for training statistics, the masked reference path and decoding."""
-    return d_BT > 0
+def causal_decision(d_BT: torch.Tensor, threshold: torch.Tensor | float) -> torch.Tensor:
+    """The causal routing decision: a token is processed iff its decision logit
+    exceeds the block's threshold (0 under the ``half`` rule; see
+    :mod:`xmodlm.model.depth_router`). One rule for training statistics, the masked
+    reference path and decoding."""
+    return d_BT > threshold
+
+
+def threshold_for_fraction(d_N: torch.Tensor, fraction: float) -> float:
+    """The threshold above which the fraction ``fraction`` of the logits ``d_N`` lie.
+
+    k = round(fraction * N) values lie strictly above it: the midpoint of the k-th
+    and (k+1)-th largest, so that logits that tie at the boundary stay on one side.
+    k = 0 gives the largest logit (none lies above it), k = N the fp32 number just
+    below the smallest.
+    """
+    d_N = d_N.detach().float().flatten()
+    n = d_N.numel()
+    assert n > 0, "no decision logits to calibrate on"
+    k = min(n, max(0, round(fraction * n)))
+    top = torch.topk(d_N, min(n, k + 1)).values
+    if k == 0:
+        return float(top[0])
+    if k == n:
+        return float(torch.nextafter(top[-1], top.new_tensor(float("-inf"))))
+    return 0.5 * (float(top[k - 1]) + float(top[k]))
 
 
 def router_logits(x_BTD: torch.Tensor, w_1D: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ block options differ. Auxiliary losses and routing statistics come back in the
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +21,7 @@ from xmodlm.model import routing
 from xmodlm.model.blocks import BlockOutput, DenseBlock, RoutedBlock
 from xmodlm.model.layers import RMSNorm, Rotary, cross_entropy_fp32, matmul_dtype
 
-ROUTING_MODES = ("topk", "causal")
+ROUTING_MODES = ("topk", "causal", "calibrate")
 
 
 @dataclass
@@ -81,10 +83,10 @@ class Transformer(nn.Module):
         return DenseBlock(self.cfg, moe=letter == "E")
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights; residual output projections scaled down by
-        sqrt(2 * active-equivalent depth); routers start at zero scale plus noise so
-        top-k is not tied at step 0; then the variance-scaled gates are calibrated
-        (:meth:`init_gates_`)."""
+        """Normal(0, init_std) weight matrices, routers included (so top-k is not tied
+        at step 0); residual output projections scaled down by sqrt(2 * active-equivalent
+        depth); vectors keep their own init (norm gains 1, the predictor's biases 0);
+        then the variance-scaled gates are calibrated (:meth:`init_gates_`)."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * max(1.0, active_depth(self.cfg)))
         for name, p in self.named_parameters():
@@ -94,11 +96,6 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, 0.0, out_std)
             else:
                 nn.init.normal_(p, 0.0, std)
-        for block in self.blocks:
-            if isinstance(block, RoutedBlock) and block.predictor is not None:
-                for layer in block.predictor:
-                    if isinstance(layer, nn.Linear):
-                        nn.init.zeros_(layer.bias)
         self.init_gates_()
 
     @torch.no_grad()
@@ -168,6 +165,49 @@ class Transformer(nn.Module):
         target = routing.interpolate_depth(by_depth, min(l_ae, n_hi))
         return routing.solve_gamma(stack_variance, target)
 
+    def routed_blocks(self) -> list[RoutedBlock]:
+        return [b for b in self.blocks if isinstance(b, RoutedBlock)]
+
+    @torch.no_grad()
+    def calibrate_thresholds_(self, idx_NT: torch.Tensor) -> list[float]:
+        """Set every sparse block's causal threshold to route the fraction k / T it
+        was trained at, on the windows ``idx_NT``; returns the thresholds.
+
+        One forward pass in ``calibrate`` mode: block by block in depth order, each
+        sparse block fits its threshold to its decision logits over all the
+        windows, then routes by it (on its routed tokens only,
+        :meth:`RoutedBlock.ragged_forward`), so each threshold is fitted to the
+        stream that block meets at inference, behind the calibrated blocks before
+        it. Through ``forward``, so a sharded model gathers as usual.
+        """
+        self(idx_NT, routing_mode="calibrate")
+        return [float(b.router.threshold) for b in self.routed_blocks()]
+
+    def threshold_rule(self) -> str:
+        """The causal threshold rule in effect: ``calibrated``, ``half``, or
+        ``half (not calibrated)`` for a calibrated-rule model whose thresholds were
+        never set (an earlier checkpoint, or calibration has not run yet)."""
+        if self.cfg.causal_threshold == "half":
+            return "half"
+        routed = self.routed_blocks()
+        if routed and not all(b.router.is_calibrated() for b in routed):
+            return "half (not calibrated)"
+        return "calibrated"
+
+    @contextlib.contextmanager
+    def using_threshold_rule(self, rule: str) -> Iterator[None]:
+        """Route causally under ``rule`` (``half`` or ``calibrated``) for a while, as
+        evaluation does to report both."""
+        routed = self.routed_blocks()
+        before = [b.router.rule for b in routed]
+        for b in routed:
+            b.router.rule = rule
+        try:
+            yield
+        finally:
+            for b, rule_before in zip(routed, before, strict=True):
+                b.router.rule = rule_before
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -178,7 +218,8 @@ class Transformer(nn.Module):
         routing_mode: str = "topk",
         return_stats: bool = False,
     ) -> ModelOutput:
-        """Run the stack. ``routing_mode``: ``topk`` (training) or ``causal`` (inference)."""
+        """Run the stack. ``routing_mode``: ``topk`` (training), ``causal`` (inference),
+        or ``calibrate`` (:meth:`calibrate_thresholds_`; no logits are computed)."""
         assert routing_mode in ROUTING_MODES, routing_mode
         T = idx_BT.shape[1]
         assert T <= self.cfg.context, f"sequence length {T} exceeds context {self.cfg.context}"
@@ -193,6 +234,8 @@ class Transformer(nn.Module):
             outs.append(out)
             if return_stats:
                 rms.append(float(x_BTD.detach().float().pow(2).mean(-1).sqrt().mean()))
+        if routing_mode == "calibrate":  # the thresholds are set: no (N, T, V) logits
+            return ModelOutput(logits=x_BTD.new_empty(0))
         logits = self.head(self.norm(x_BTD, matmul_dtype(x_BTD)))
         result = ModelOutput(logits=logits)
         if targets_BT is not None:

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from xmodlm.config import Config, load_config
 from xmodlm.errors import UserError
-from xmodlm.fileio import atomic_write_json, fsync_dir
+from xmodlm.fileio import atomic_open, atomic_write_json, fsync_dir
 from xmodlm.model import Transformer
 
 CKPT_DIR = "ckpt"
@@ -111,6 +111,20 @@ def save_checkpoint(
     for old in checkpoint_dirs(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def rewrite_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
+    """Replace a complete checkpoint's ``model.safetensors`` with ``model``'s weights,
+    atomically (a crash leaves the old file or the new one); its training state is
+    not touched. For buffers no training step reads, such as calibrated thresholds."""
+    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    path = Path(ckpt) / "model.safetensors"
+    try:
+        with atomic_open(path) as f:
+            f.write(save(_untie(weights)))
+        follow_umask(path)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror or str(err), err.filename or str(path)) from err
 
 
 def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

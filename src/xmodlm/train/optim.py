@@ -8,12 +8,14 @@ import torch
 from torch import nn
 
 from xmodlm.config import TrainConfig
+from xmodlm.model.depth_router import DepthRouter
 
-NO_DECAY_SUFFIXES = ("embed.weight", "router.weight")
+NO_DECAY_SUFFIXES = ("embed.weight", "mlp.router.weight")
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
-    """Whether weight decay applies to parameter ``name``.
+    """Whether weight decay applies to parameter ``name`` (outside a depth router,
+    which states its own rule: :meth:`DepthRouter.decays`).
 
     Weight matrices decay. Not decayed, because decay would shrink a scale the
     model needs rather than regularise a map:
@@ -21,27 +23,27 @@ def decays(name: str, p: torch.Tensor) -> bool:
     * vectors and scalars: norm gains, biases, the variance-scaled gates' gamma
       (decay would pull every sparse branch toward zero);
     * the embedding table (rows of rare tokens would decay to nothing);
-    * sparse-depth routers, a (1, d) matrix whose logit *is* the gate's input:
-      under the ``logit`` gate decay shrinks the gate itself, under ``sigmoid``
-      it pulls every gate toward 1/2 and blurs the top-k ranking; the MoE router
-      (same name suffix) likewise, its logits are kept small by the z-loss.
-
-    The causal predictor's hidden and output matrices decay like any MLP: it is a
-    classifier on stop-gradient inputs, its scale gates nothing.
+    * the MoE router, whose logits the z-loss keeps small.
     """
     return p.dim() >= 2 and not name.endswith(NO_DECAY_SUFFIXES)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    """Two AdamW groups, decayed and not (:func:`decays`)."""
+    """Two AdamW groups, decayed and not: each depth router's parameters by its own
+    rule, every other parameter by :func:`decays`."""
+    router_rule: dict[int, bool] = {}
+    for module in model.modules():
+        if isinstance(module, DepthRouter):
+            for local, p in module.named_parameters():
+                router_rule[id(p)] = module.decays(local, p)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if not decays(name, p):
-            no_decay.append(p)
-        else:
+        if router_rule.get(id(p), decays(name, p)):
             decay.append(p)
+        else:
+            no_decay.append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -35,6 +35,7 @@ from xmodlm import flops
 from xmodlm.config import Config, load_config
 from xmodlm.data.batches import get_batch, load_manifest, load_split, val_batches
 from xmodlm.errors import UserError
+from xmodlm.eval.calibrate import calibration_windows
 from xmodlm.eval.loss import evaluate
 from xmodlm.fileio import atomic_write_json, atomic_write_text
 from xmodlm.hardware import (
@@ -335,6 +336,10 @@ def train(
     val_data = load_split(cfg.data.dir, "val")
     train_data.check_context(cfg.model.context)
     fixed_val = val_batches(val_data, cfg.data.val_batches, t.batch_size, cfg.model.context)
+    # every evaluation first calibrates the causal thresholds on training text
+    calibration = None
+    if "s" in cfg.model.block_layout and cfg.model.causal_threshold == "calibrated":
+        calibration = calibration_windows(train_data, cfg.model.context)
 
     # one writer per run directory: a second `xmod train` on it is refused
     with _writer_lock(run, ddp.is_main):
@@ -371,7 +376,8 @@ def train(
             # the code this run trains with (a report rebuilding the initial model
             # later would use the code checked out then). No RNG is drawn.
             logger.log({"step": 0, "tokens": 0, "kind": "eval",
-                        **evaluate(model, fixed_val, device, dtype, manifest)})
+                        **evaluate(model, fixed_val, device, dtype, manifest,
+                                   calibration=calibration)})
         status = "ok"
         t_run = time.perf_counter() - state.wall_s
         with stop.installed():
@@ -409,7 +415,9 @@ def train(
                 logger.advance(record)
                 # a sharded forward is collective: every rank evaluates, rank 0 logs
                 if (ddp.is_main or sharded) and (state.step % t.eval_every == 0 or last):
-                    state.last_eval = evaluate(model, fixed_val, device, dtype, manifest)
+                    state.last_eval = evaluate(
+                        model, fixed_val, device, dtype, manifest, calibration=calibration
+                    )
                     logger.log({"step": state.step, "tokens": state.tokens, "kind": "eval",
                                 **state.last_eval})
                 if on_step is not None:
