@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed rounds (default per size)")
     parser.add_argument("--no-law", action="store_true")
     parser.add_argument("--no-decode", action="store_true")
+    parser.add_argument("--no-widths", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             reps=args.reps,
             include_law=not args.no_law,
             include_decode=not args.no_decode,
+            include_widths=not args.no_widths,
             include_compile=False if args.no_compile else None,
             progress=True,
             sizes=args.sizes,

@@ -263,7 +263,7 @@ def quick_result() -> dict:
 def test_quick_bench_has_every_size_model_and_comparison(quick_result: dict) -> None:
     res = quick_result
     assert list(res["sizes"]) == ["bench", "w128-t128"] and res["threads"] == [1]
-    for key in ("routing_overhead", "decode", "law_fit_s", "targets", "machine",
+    for key in ("routing_overhead", "width_scan", "law_fit_s", "targets", "machine",
                 "sweep_worker_throughput"):
         assert key in res, key
     for name, section in res["sizes"].items():
@@ -313,9 +313,24 @@ def test_quick_bench_single_size_sections_and_targets(quick_result: dict) -> Non
     res = quick_result
     assert res["routing_overhead"]["size"] == "bench"
     assert 0 < res["routing_overhead"]["share"] < 1
-    dec = res["decode"]
-    assert dec["dense"]["tokens_per_s"] > 0 and dec["xmod"]["tokens_per_s"] > 0
-    assert dec["xmod"]["kv_bytes_used"] < dec["dense"]["kv_bytes_used"]
+    for name in res["sizes"]:  # quick: decode at every size
+        dec = res["sizes"][name]["threads"]["1"]["decode"]
+        for model in ("dense", "xmod_s4_c0125", "xmod_s8_c0125"):
+            for batch in ("batch1", "batch8"):
+                assert dec["models"][model][batch]["tokens_per_s"] > 0, (name, model)
+                assert dec["models"][model][batch]["prefill_tokens_per_s"] > 0, (name, model)
+        for xmod in ("xmod_s4_c0125", "xmod_s8_c0125"):
+            cmp = dec[xmod]
+            partner = cmp["vs_dense_same_active"]["model"]
+            assert partner in dec["models"] and partner.startswith("dense_")
+            depth = dec["models"][partner]["active_depth"]
+            assert depth == round(dec["models"][xmod]["active_depth"])
+            assert _positive(cmp["vs_dense"]["batch1"]["tokens_per_s"])
+            assert 0.5 < cmp["kv_over_ideal"] < 1.5, (name, xmod)  # calibrated: about c
+    scan = res["width_scan"]
+    assert list(scan["widths"]) == ["w128"] and scan["threads"] == 1
+    for xmod in ("xmod_s4_c0125", "xmod_s8_c0125"):
+        assert _positive(scan["widths"]["w128"][xmod]["best"]["time_ratio"])
     assert "skipped" in res["law_fit_s"]
     assert res["sweep_worker_throughput"]["tokens_per_s"] > 0
     targets = res["targets"]
@@ -329,16 +344,21 @@ def test_quick_bench_single_size_sections_and_targets(quick_result: dict) -> Non
 
 def test_targets_judge_at_the_main_thread_count() -> None:
     def section(ratio: float) -> dict:
-        return {"vs_dense": {"xmod_s4_c0125": {"best": {"time_ratio": {"median": ratio}}}}}
+        return {"decode": {"xmod_s4_c0125": {"vs_dense_same_active": {
+            "batch1": {"tokens_per_s": ratio}}}}}
 
     result = {"quick": False, "law_fit_s": {"seconds": 70.0},
-              "sizes": {"w128-t128": {"threads": {"1": section(1.2), "2": section(1.01)}}}}
+              "sizes": {"w128-t128": {"threads": {"1": section(0.8), "2": section(0.95)}}},
+              "width_scan": {"widths": {"w512": {"xmod_s8_c0125": {"best": {
+                  "time_ratio": {"median": 1.04}}}}}}}
     got = evaluate(result, threads=2)
-    row = got["xmod_s4_vs_dense@w128-t128"]
-    assert (row["value"], row["pass"], row["threads"]) == (1.01, True, 2)
-    assert row["other_threads"] == {"1": {"value": 1.2, "pass": False}}
-    assert got["xmod_s4_vs_dense@bench"]["value"] is None
-    assert got["xmod_s4_vs_dense@bench"]["pass"] is None
+    row = got["xmod_s4_decode_vs_same_active_dense@w128-t128"]
+    assert (row["value"], row["pass"], row["threads"]) == (0.95, True, 2)
+    assert row["other_threads"] == {"1": {"value": 0.8, "pass": False}}
+    assert got["xmod_s4_decode_vs_same_active_dense@bench"]["value"] is None
+    assert got["xmod_s4_decode_vs_same_active_dense@bench"]["pass"] is None
+    assert got["xmod_s8_vs_dense@w512-t512"]["pass"] is True
+    assert got["xmod_s4_vs_dense@w512-t512"]["value"] is None
     assert got["law_fit_s"]["pass"] is False
     assert evaluate({**result, "quick": True}, threads=2)["law_fit_s"]["pass"] is None
     assert main_threads([1, 2], default=2) == 2 and main_threads([1], default=2) == 1

@@ -646,7 +646,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     result = run_bench(
         device=args.device, quick=args.quick, reps=args.reps, include_law=not args.no_law,
-        include_decode=not args.no_decode, include_compile=False if args.no_compile else None,
+        include_decode=not args.no_decode, include_widths=not args.no_widths,
+        include_compile=False if args.no_compile else None,
         compile_modes=args.compile_modes, progress=not args.json, sizes=args.sizes,
         threads=args.threads,
     )
@@ -911,6 +912,8 @@ def build_parser() -> argparse.ArgumentParser:
                    " (real test prompts, causal routing; first run is the reference)")
     p.add_argument("--no-law", action="store_true", help="skip the law-fit timing")
     p.add_argument("--no-decode", action="store_true", help="skip the decode timing")
+    p.add_argument("--no-widths", action="store_true",
+                   help="skip the width scan (X-MoD over dense at widths 128-1024, one thread)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 

@@ -7,14 +7,18 @@ so each sparse block routes the fraction it would be trained at.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from xmodlm.config import ModelConfig
 from xmodlm.errors import UserError
+from xmodlm.flops import active_depth
 from xmodlm.model.generate import Decoder, sample_next
+from xmodlm.model.kv_cache import kv_bytes_formula
 from xmodlm.model.transformer import Transformer
 
 
@@ -119,34 +123,82 @@ PROMPT_LEN = 128  # prompt tokens and new tokens of the decode timing
 QUICK_PROMPT_LEN = 32
 
 
-def decode(dense: Transformer, xmod: Transformer, quick: bool) -> dict[str, Any]:
-    """Decode speed and KV-cache bytes, dense vs X-MoD with the same total parameters.
+DECODE_BATCHES = (1, 8)
+DECODE_ROUNDS = 3
+ROUTED = ("xmod_s4_c0125", "xmod_s8_c0125")  # the bench family's X-MoD models
 
-    Batch 1, a random prompt, then as many new tokens as prompt tokens; both at
-    most half the context (the cache holds no more than the context).
+
+def same_active_depth(dense: ModelConfig, xmod: ModelConfig) -> ModelConfig:
+    """``dense`` at the depth nearest ``xmod``'s active-equivalent depth: the dense
+    model that does per token the block work X-MoD does (the fair decode partner;
+    the FLOP-matched one also pays for X-MoD's training-time attention savings)."""
+    return dataclasses.replace(dense, n_layers=max(1, round(active_depth(xmod))))
+
+
+@torch.no_grad()
+def decode(configs: dict[str, ModelConfig], quick: bool, seed: int = 0) -> dict[str, Any]:
+    """Decode and prefill speed and KV bytes of X-MoD against two dense models.
+
+    For each X-MoD model of the family (S = 4 and 8, c = 1/8; thresholds
+    calibrated on random tokens, :func:`calibrate_untrained_`): the FLOP-matched
+    dense model and dense of the same active-equivalent depth
+    (:func:`same_active_depth`). Batches 1 and 8, a random prompt of half the
+    context (at most :data:`PROMPT_LEN`), then as many new tokens. The models take
+    turns for :data:`DECODE_ROUNDS` rounds, order reversed every other round;
+    ratios are medians of per-round ratios (paired), X-MoD over dense.
     """
-    prompt = new = min(QUICK_PROMPT_LEN if quick else PROMPT_LEN, dense.cfg.context // 2)
-    was = dense.training, xmod.training
-    dense.eval()
-    xmod.eval()
-    reached = calibrate_untrained_(xmod)
-    out: dict[str, Any] = {"prompt_len": prompt, "new_tokens": new, "batch": 1}
-    for name, model in (("dense", dense), ("xmod", xmod)):
-        res = decode_benchmark(model, batch=1, prompt_len=prompt, new_tokens=new, repeats=3)
-        out[name] = {
-            "tokens_per_s": res["tokens_per_s"],
-            "prefill_tokens_per_s": res["prefill_tokens_per_s"],
-            "kv_bytes_allocated": res["kv_bytes_allocated"],
-            "kv_bytes_used": res["kv_bytes_used"],
-            "routed_fraction": res["routed_fraction"],
-        }
-    out["xmod_calibrated_routed_fraction"] = sum(reached) / max(1, len(reached))
-    out["xmod_vs_dense_tokens_per_s"] = out["xmod"]["tokens_per_s"] / out["dense"]["tokens_per_s"]
-    out["xmod_vs_dense_kv_bytes_used"] = (
-        out["xmod"]["kv_bytes_used"] / max(1, out["dense"]["kv_bytes_used"])
-    )
-    dense.train(was[0])
-    xmod.train(was[1])
+    torch.manual_seed(seed)
+    dense_cfg = configs["dense"]
+    models = {"dense": Transformer(dense_cfg).eval()}
+    reached = {}
+    for name in ROUTED:
+        models[name] = Transformer(configs[name]).eval()
+        reached[name] = calibrate_untrained_(models[name])
+        partner = same_active_depth(dense_cfg, configs[name])
+        models.setdefault(f"dense_{partner.n_layers}", Transformer(partner).eval())
+    prompt = new = min(QUICK_PROMPT_LEN if quick else PROMPT_LEN, dense_cfg.context // 2)
+    rounds = 1 if quick else DECODE_ROUNDS
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {
+        name: {b: [] for b in DECODE_BATCHES} for name in models
+    }
+    for r in range(rounds):
+        names = list(models) if r % 2 == 0 else list(models)[::-1]
+        for batch in DECODE_BATCHES:
+            for name in names:
+                runs[name][batch].append(decode_benchmark(
+                    models[name], batch=batch, prompt_len=prompt, new_tokens=new, repeats=1,
+                    seed=seed,
+                ))
+    out: dict[str, Any] = {"prompt_len": prompt, "new_tokens": new, "rounds": rounds,
+                           "threads": torch.get_num_threads(), "models": {}}
+    for name, per_batch in runs.items():
+        cfg = models[name].cfg
+        row: dict[str, Any] = {"layout": cfg.block_layout, "active_depth": active_depth(cfg)}
+        for batch, res in per_batch.items():
+            row[f"batch{batch}"] = {
+                "tokens_per_s": statistics.median(x["tokens_per_s"] for x in res),
+                "prefill_tokens_per_s": statistics.median(x["prefill_tokens_per_s"] for x in res),
+                "kv_bytes_used": res[-1]["kv_bytes_used"],
+                "routed_fraction": res[-1]["routed_fraction"],
+            }
+        out["models"][name] = row
+    for name in ROUTED:
+        partners = {"vs_dense": "dense",
+                    "vs_dense_same_active": f"dense_{same_active_depth(dense_cfg, configs[name]).n_layers}"}
+        cmp: dict[str, Any] = {"calibrated_routed_fraction": reached[name]}
+        for key, partner in partners.items():
+            cmp[key] = {"model": partner}
+            for batch in DECODE_BATCHES:
+                mine, theirs = runs[name][batch], runs[partner][batch]
+                cmp[key][f"batch{batch}"] = {
+                    fig: statistics.median(a[fig] / b[fig] for a, b in zip(mine, theirs, strict=True))
+                    for fig in ("tokens_per_s", "prefill_tokens_per_s")
+                }
+                cmp[key][f"batch{batch}"]["kv_bytes_used"] = (
+                    mine[-1]["kv_bytes_used"] / theirs[-1]["kv_bytes_used"])
+        ideal = kv_bytes_formula(configs[name], 1) / kv_bytes_formula(dense_cfg, 1)
+        cmp["kv_over_ideal"] = cmp["vs_dense"]["batch1"]["kv_bytes_used"] / ideal
+        out[name] = cmp
     return out
 
 

@@ -6,8 +6,8 @@ FLOP-matched to the size's dense model, the GPT-2 reference
 each model is built eager and again in each compiled mode that changes it
 (per block, whole model: :mod:`xmodlm.bench.compile`). Then, at each thread count, all of them are
 timed in the same interleaved rounds (:mod:`xmodlm.bench.step`), so every ratio
-in the output is a paired comparison from one run. Routing overhead and decode
-speed are measured once, on the first size; the law fit once.
+in the output is a paired comparison from one run. Decode is timed at
+:data:`DECODE_SIZES`; routing overhead once, on the first size; the law fit once.
 """
 
 from __future__ import annotations
@@ -37,10 +37,14 @@ from xmodlm.bench.sizes import (
 )
 from xmodlm.bench.step import Case, interleave, make_case, ratio, step_figures, summary, versus
 from xmodlm.bench.targets import evaluate, main_threads, sweep_worker_throughput
+from xmodlm.bench.widths import width_scan
 from xmodlm.errors import UserError
 from xmodlm.hardware import environment_record, resolve_device, resolve_dtype, retain_freed_memory
 from xmodlm.model import Transformer
 
+# The sizes decode is timed at (at the main thread count): the studies' shapes and
+# the bench size.
+DECODE_SIZES = ("w128-t128", "w128-t512", "bench")
 # Timing order within a round: models compared with each other sit close together.
 ORDER = ("reference_gpt", "gpt2", "dense", "xmod_s4_c0125", "dense_same_params",
          "xmod_s8_c0125", "mod", "moe")
@@ -259,6 +263,7 @@ def run_bench(
     reps: int | None = None,
     include_law: bool = True,
     include_decode: bool = True,
+    include_widths: bool = True,
     include_compile: bool | None = None,
     compile_modes: str | Iterable[str] | None = None,
     progress: bool = False,
@@ -275,6 +280,7 @@ def run_bench(
     after its minimum once its time budget is spent). ``include_compile``: also
     time every model compiled (default on, off in quick mode), in each of
     ``compile_modes`` (``"compiled,compiled_model"``; default both).
+    ``include_widths``: the width scan at one thread (:mod:`xmodlm.bench.widths`).
     ``progress``: say what runs on stderr. Bad values raise :class:`UserError`.
     """
     if reps is not None and (isinstance(reps, bool) or not isinstance(reps, int) or reps < 1):
@@ -313,14 +319,21 @@ def run_bench(
                 **architecture_parts(cases["dense"]["eager"], cases["gpt2"]["eager"], dev),
             }
             if i == 0:  # single-size sections: on the first size, at the main thread count
-                say(f"{name}: routing overhead of an eager X-MoD step; decode")
+                say(f"{name}: routing overhead of an eager X-MoD step")
                 overhead = routing_overhead(cases["xmod_s4_c0125"]["eager"], dev)
                 result["routing_overhead"] = {"size": name, "threads": main, **overhead}
-                result["decode"] = _decode(cases, quick, name) if include_decode else {
-                    "skipped": "include_decode=False"}
             del cases
+            if include_decode and (quick or name in DECODE_SIZES):
+                say(f"{name}: decode and prefill, X-MoD against two dense models")
+                section["threads"][str(main)]["decode"] = decode(
+                    family_configs(size.dense()), quick)
     finally:
         torch.set_num_threads(default_threads)
+    if include_widths:
+        widths_modes = tuple(m for m in modes if m == "compiled_model")
+        result["width_scan"] = width_scan(dev, widths_modes, quick, peak_n, say)
+    else:
+        result["width_scan"] = {"skipped": "include_widths=False"}
     if include_law:
         say("law fit")
     result["law_fit_s"] = law_fit(quick) if include_law else {"skipped": "include_law=False"}
@@ -331,11 +344,3 @@ def run_bench(
     result["load_avg_end"] = _load()
     result["wall_s"] = time.perf_counter() - t_start
     return result
-
-
-def _decode(cases: Cases, quick: bool, size: str) -> dict[str, Any]:
-    """Decode, dense vs X-MoD of the same total parameters (eager models of ``size``)."""
-    dense = cases["dense_same_params"]["eager"].model
-    xmod = cases["xmod_s4_c0125"]["eager"].model
-    assert isinstance(dense, Transformer) and isinstance(xmod, Transformer)
-    return {"size": size, **decode(dense, xmod, quick)}

@@ -30,17 +30,23 @@ class Target:
 
 
 TARGETS: tuple[Target, ...] = (
-    Target("xmod_s4_vs_dense@w128-t128", "w128-t128", "vs_dense.xmod_s4_c0125.best.time_ratio",
-           "max", 1.05,
-           "X-MoD (S=4, c=1/8) steps within 5% of FLOP-matched dense at the sweeps' size"),
-    Target("xmod_s4_vs_dense@w128-t512", "w128-t512", "vs_dense.xmod_s4_c0125.best.time_ratio",
-           "max", 1.05, "the same at context 512"),
-    Target("xmod_s4_vs_dense@bench", "bench", "vs_dense.xmod_s4_c0125.best.time_ratio",
-           "max", 1.00, "at width 512 X-MoD is no slower than FLOP-matched dense"),
+    *(Target(f"xmod_s{stride}_vs_dense@w{width}-t512", None,
+             f"width_scan.widths.w{width}.xmod_s{stride}_c0125.best.time_ratio", "max", 1.05,
+             f"X-MoD (S={stride}, c=1/8) steps within 5% of FLOP-matched dense at width"
+             f" {width}, one thread, where the per-block costs have faded")
+      for width in (512, 1024) for stride in (4, 8)),
+    *(Target(f"xmod_s{stride}_decode_vs_same_active_dense@{size}", size,
+             f"decode.xmod_s{stride}_c0125.vs_dense_same_active.batch1.tokens_per_s", "min", 0.9,
+             f"X-MoD (S={stride}) decodes at batch 1 at >= 0.9x dense of its active depth")
+      for size in ("w128-t128", "w128-t512", "bench") for stride in (4, 8)),
     Target("dense_vs_gpt2@w256-t256", "w256-t256", "dense_vs_gpt2.best.time_ratio",
            "max", 1.00, "our dense architecture steps no slower than GPT-2's at width 256"),
     Target("dense_vs_gpt2@bench", "bench", "dense_vs_gpt2.best.time_ratio",
            "max", 1.00, "the same at width 512"),
+    Target("dense_vs_gpt2_eager@w256-t256", "w256-t256", "dense_vs_gpt2.eager.time_ratio",
+           "max", 1.00, "the same in eager mode, at width 256"),
+    Target("dense_vs_gpt2_eager@bench", "bench", "dense_vs_gpt2.eager.time_ratio",
+           "max", 1.00, "the same in eager mode, at width 512"),
     Target("dense_vs_reference@bench", "bench", "dense_vs_reference.best.time_ratio",
            "max", 1.00, "our dense model is no slower than the same shape written plainly"),
     Target("xmod_same_params_efficiency@bench", "bench", "xmod_vs_dense_same_params.efficiency",
