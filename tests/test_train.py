@@ -339,3 +339,39 @@ def test_weight_decay_groups() -> None:
     assert names["blocks.1.block.mlp.down.weight"]
     n_params = len(list(model.parameters()))
     assert len(decay_group["params"]) + len(no_decay_group["params"]) == n_params
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])
+def test_clip_and_step_equals_clip_then_step(
+    fused: bool, max_norm: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clip folded into fused AdamW's grad_scale is clip_grad_norm_ then step, to
+    round-off; with fused AdamW no separate clipping pass runs."""
+    from xmodlm.train.optim import clip_and_step
+
+    def setup() -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.randn(7, 5, generator=gen).requires_grad_(), torch.randn(3, generator=gen).requires_grad_()]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        kwargs = {"fused": True} if fused else {"foreach": True}
+        return params, torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, **kwargs)
+
+    ref_params, ref_opt = setup()
+    norm = float(torch.nn.utils.clip_grad_norm_(ref_params, max_norm))
+    ref_opt.step()
+    params, opt = setup()
+    passes = []
+    clip_pass = torch.nn.utils.clip_grads_with_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_",
+                        lambda *a, **k: passes.append(1) or clip_pass(*a, **k))
+    assert clip_and_step(opt, params, max_norm) == pytest.approx(norm)
+    for a, b in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert len(passes) == (0 if fused or max_norm > norm else 1)
+    assert "grad_scale" not in opt.__dict__
+    params[0].grad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in params]
+    assert not math.isfinite(clip_and_step(opt, params, max_norm))  # no step taken
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))

@@ -60,6 +60,38 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
+def clip_and_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> float:
+    """Clip the gradients to global norm ``max_norm`` and take the optimiser step.
+
+    Returns the norm before clipping; where it is not finite no step is taken
+    (the caller skips the step). Fused AdamW divides every gradient by its
+    ``grad_scale`` inside its one kernel, so there the clip's factor goes in as
+    that scale instead of a separate pass over every gradient; other optimisers
+    (and sharded gradients) are clipped in place first
+    (``torch.nn.utils.clip_grads_with_norm_``). The same update up to round-off
+    (a division by 1 / f instead of a product by f).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    total = float(norm)
+    if not math.isfinite(total):
+        return total
+    coef = max_norm / (total + 1e-6)  # as torch.nn.utils.clip_grads_with_norm_ computes it
+    # sharded (FSDP2) gradients are DTensors: those are clipped in place
+    fused = bool(opt.defaults.get("fused")) and type(grads[0]).__name__ != "DTensor"
+    if coef >= 1.0:
+        pass
+    elif fused:
+        opt.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32, device=grads[0].device)
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    try:
+        opt.step()
+    finally:
+        opt.__dict__.pop("grad_scale", None)
+    return total
+
+
 def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
     """Learning rate for optimiser step ``step`` (0-based) of ``total_steps``.
 

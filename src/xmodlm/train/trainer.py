@@ -50,7 +50,7 @@ from xmodlm.model import Transformer
 from xmodlm.train import checkpoint as ckpt_io
 from xmodlm.train.lock import run_lock
 from xmodlm.train.loggers import MetricLogger, check_trackers
-from xmodlm.train.optim import build_optimizer, lr_at
+from xmodlm.train.optim import build_optimizer, clip_and_step, lr_at
 
 
 @dataclass
@@ -553,11 +553,9 @@ def train_step(
     loss = float(loss_sum)
     record: dict[str, Any] = {"loss": loss, **{k: float(v) for k, v in aux_sums.items()}}
     if math.isfinite(loss):
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+        grad_norm = clip_and_step(opt, list(model.parameters()), grad_clip)
         record["grad_norm"] = grad_norm
-        if math.isfinite(grad_norm):
-            opt.step()
-        else:  # a finite loss with overflowing gradients is skipped like a NaN loss
+        if not math.isfinite(grad_norm):  # overflowing gradients: skipped like a NaN loss
             record["loss"] = float("nan")
     opt.zero_grad(set_to_none=True)
     return record
