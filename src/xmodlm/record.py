@@ -26,9 +26,14 @@ EXTRA_COLUMNS = (
 )
 # From ``eval.json``, where the sweep evaluated the final checkpoint (spec ``eval``):
 # the held-out loss on the evaluation split under both routings, the KV-cache
-# bytes per token of context under causal routing, and one
-# ``task_<name>`` accuracy column per downstream task (added as they appear).
-EVAL_COLUMNS = ("eval_split", "eval_loss_topk", "eval_loss_causal", "kv_bytes_per_token")
+# bytes per token of context under causal routing; for sparse models the causal
+# threshold rule, the causal loss under the half rule beside it, and what causal
+# routing spends (forward FLOPs over the training budget, KV bytes over the ideal
+# for c); and one ``task_<name>`` accuracy column per downstream task (added as
+# they appear).
+EVAL_COLUMNS = ("eval_split", "eval_loss_topk", "eval_loss_causal", "kv_bytes_per_token",
+                "threshold_rule", "eval_loss_causal_half", "flops_causal_over_budget",
+                "kv_over_ideal")
 EVAL_FILE = "eval.json"  # in a run directory: ``xmod eval --json`` of its final checkpoint
 COLUMNS = RUN_COLUMNS + EXTRA_COLUMNS + EVAL_COLUMNS
 
@@ -40,6 +45,10 @@ def eval_columns(result: dict[str, Any]) -> dict[str, Any]:
         "eval_loss_topk": result.get("val_loss_topk"),
         "eval_loss_causal": result.get("val_loss_causal"),
         "kv_bytes_per_token": result.get("kv_bytes_per_token"),
+        "threshold_rule": result.get("threshold_rule"),
+        "eval_loss_causal_half": result.get("val_loss_causal_half"),
+        "flops_causal_over_budget": (result.get("flops_per_token") or {}).get("causal_over_budget"),
+        "kv_over_ideal": result.get("kv_over_ideal"),
     }
     for name, task in (result.get("tasks") or {}).items():
         row[f"task_{name}"] = task.get("accuracy")
