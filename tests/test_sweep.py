@@ -380,3 +380,17 @@ def test_run_set_changes_how_runs_execute_not_their_ids(tiny_data_dir: Path, tmp
         assert "--run-set" in err and "train.compile" in err and len(err.strip().splitlines()) == 1
     assert main(["sweep", str(spec), "--dry-run", "--run-set", "train.compile=sometimes"]) == 2
     assert "compile" in capsys.readouterr().err
+
+
+# (results/lr-depth's ids were renamed by a config field added before ID_NEUTRAL existed)
+@pytest.mark.parametrize("name", ["cpu-study", "cpu-study-depth", "deep-ablation"])
+def test_committed_sweeps_keep_their_run_ids(name: str) -> None:
+    """A shipped spec expands to every run id its committed results table holds (and
+    maybe runs still to do), so a config field added since, at its neutral value,
+    never reruns a finished sweep."""
+    import csv
+
+    table = Path(__file__).resolve().parents[1] / "results" / name / "results.csv"
+    with open(table, newline="") as f:
+        committed = {row["run_id"] for row in csv.DictReader(f)}
+    assert committed <= {r.run_id for r in expand(load_spec(name))}

@@ -339,10 +339,22 @@ def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"family": family, **dict(zip(keys, combo, strict=True))} for combo in combos]
 
 
+# Config fields added after sweeps were committed, with the value that means what
+# runs before them did in training: hashed only when set otherwise, so that a new
+# field never renames (and so reruns) the runs of a committed sweep.
+# model.causal_threshold changes only how a trained model routes at inference.
+ID_NEUTRAL = {("model", "causal_threshold"): "calibrated"}
+
+
 def run_id(cfg: Config, compute: float) -> str:
-    """Stable id: hash of the resolved config (compute included, in train.compute)."""
+    """Stable id: hash of the resolved config (compute included, in train.compute),
+    leaving out the :data:`ID_NEUTRAL` fields at their neutral values."""
     del compute  # already part of cfg.train
-    return hashlib.sha1(cfg.to_yaml().encode()).hexdigest()[:12]
+    raw = cfg.to_dict()
+    for (section, key), neutral in ID_NEUTRAL.items():
+        if raw[section].get(key) == neutral:
+            del raw[section][key]
+    return hashlib.sha1(yaml.safe_dump(raw, sort_keys=False).encode()).hexdigest()[:12]
 
 
 def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
