@@ -15,8 +15,8 @@ X-MoD's own :class:`xmodlm.model.Transformer`, loaded by
 
 **Routing.** The wrapper runs X-MoD's *causal* routing (``routing_mode="causal"``),
 the decision decoding uses: a sparse block processes a token iff its router says
-so from that token alone (sigmoid(r) > 1/2, or the predictor's logit > 0), never
-by top-k over the sequence, which would look at future tokens. Logits at position
+so from that token alone (its decision logit above the block's calibrated
+threshold, :mod:`xmodlm.model.depth_router`), never by top-k over the sequence, which would look at future tokens. Logits at position
 t therefore depend only on tokens up to t, and greedy ``generate`` gives the
 tokens ``xmod generate --temperature 0`` gives. Set ``config.routing_mode =
 "topk"`` to score whole sequences with training-time routing instead (not causal:

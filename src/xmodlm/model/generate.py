@@ -2,9 +2,9 @@
 
 Routing at inference is the *causal* decision, exactly as
 ``RoutedBlock.forward(mode="causal")`` decides it: a sparse block processes a
-token iff its decision logit is positive (sigmoid(r) > 1/2 for the BCE-trained
-router, the predictor's logit > 0 for the predictor). Prefill and decode use the
-same rule, so generating with the cache computes what a full forward pass in
+token iff its depth router says so from that token alone (its decision logit
+above the block's threshold: :mod:`xmodlm.model.depth_router`). Prefill and
+decode use the same rule, so generating with the cache computes what a full forward pass in
 ``routing_mode="causal"`` computes over the same tokens (tested to fp32
 round-off).
 

@@ -20,8 +20,8 @@ Allocation policy of sparse buffers (``sparse_alloc``):
   ``max_len``) and, when a sequence's routed tokens would overflow that, grow
   by doubling (capped at ``max_len``). Growth copies the buffer, so it is
   amortised O(1) per token and happens O(log(1 / c)) times at most, never per
-  token. The causal router is trained to route the top-k fraction ``c``, so a
-  trained model rarely grows at all, and the *allocated* memory is then about
+  token. Calibrated causal thresholds route the fraction ``c`` of the
+  calibration text, so a trained model rarely grows at all, and the *allocated* memory is then about
   ``slack`` times the memory actually used by the sparse blocks.
 * ``"worst_case"``: every sparse buffer is ``max_len`` slots from the start
   (never grows). The memory actually holding tokens is the same; only the
