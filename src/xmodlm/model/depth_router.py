@@ -55,7 +55,7 @@ class DepthRouter(nn.Module):
 
     def decision_logits(self, x_BTD: torch.Tensor, r_BT: torch.Tensor) -> torch.Tensor:
         """The kind's (B, T) decision logit, in fp32."""
-        with torch.autocast(device_type=x_BTD.device.type, enabled=False):
+        with routing.fp32_region(x_BTD):
             return self.kind.decision_logits(self.head, x_BTD, r_BT)
 
     def decide(self, d_BT: torch.Tensor) -> torch.Tensor:

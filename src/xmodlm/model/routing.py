@@ -22,6 +22,7 @@ Router logits are always fp32 (tensors named ``r_BT``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -59,8 +60,16 @@ def threshold_for_fraction(d_N: torch.Tensor, fraction: float) -> float:
 
 def router_logits(x_BTD: torch.Tensor, w_1D: torch.Tensor) -> torch.Tensor:
     """r = x . w in fp32 whatever the autocast dtype; a fresh (B, T) tensor, not a view."""
-    with torch.autocast(device_type=x_BTD.device.type, enabled=False):
+    with fp32_region(x_BTD):
         return torch.matmul(x_BTD.float(), w_1D.float().reshape(-1))
+
+
+def fp32_region(x: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Autocast off for ``x``'s device, where it is on (entering the context costs
+    microseconds, paid per sparse block at every decoding step: skipped when off)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.autocast(device_type=x.device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def routed_attention_mask(valid_BK: torch.Tensor) -> torch.Tensor:
