@@ -293,7 +293,14 @@ class RoutedBlock(nn.Module):
         """The new tokens whose causal decision routes them (one host sync to know
         which); the block is skipped when none does, and runs on just those rows."""
         r_B1 = self.router.logits(x_B1D)
-        sel = self.router.route(x_B1D, r_B1)[:, 0].tolist()
+        return self.step_decided(x_B1D, step, cache, r_B1, self.router.route(x_B1D, r_B1)[:, 0].tolist())
+
+    def step_decided(
+        self, x_B1D: torch.Tensor, step: DecodeStep, cache: BlockCache,
+        r_B1: torch.Tensor, sel: list[bool],
+    ) -> torch.Tensor:
+        """:meth:`step` with the router logits and decisions already known (a decoder
+        that scored a run of sparse blocks at once: ``Decoder``)."""
         if all(sel):
             f = self.block.cached_branch(x_B1D, step, cache)
             return x_B1D + (self.gate(r_B1).unsqueeze(-1) * f).to(x_B1D.dtype)

@@ -60,7 +60,11 @@ class DepthRouter(nn.Module):
 
     def decide(self, d_BT: torch.Tensor) -> torch.Tensor:
         """The causal decision from decision logits: above the rule's threshold."""
-        return routing.causal_decision(d_BT, self.threshold if self.rule == "calibrated" else 0.0)
+        return routing.causal_decision(d_BT, self.effective_threshold())
+
+    def effective_threshold(self) -> torch.Tensor | float:
+        """The threshold the rule in effect compares decision logits with."""
+        return self.threshold if self.rule == "calibrated" else 0.0
 
     def route(self, x_BTD: torch.Tensor, r_BT: torch.Tensor | None = None) -> torch.Tensor:
         """The causal decision of every token of ``x`` (``r``: its router logits, if known)."""

@@ -18,10 +18,15 @@ How a batch is decoded (:class:`Decoder`):
   routed tokens per sequence (in causal order, with their original rotary
   positions), runs on those only, and appends them to its cache.
 * **decode**: one token per sequence per step, at that sequence's own position.
-  Dense blocks append every token. A sparse block first evaluates its router
-  (one host sync per sparse block and step); if no sequence routes its token the
-  block is skipped altogether, otherwise only the routed sequences' rows are
-  gathered, run through the block, cached and added back. At batch 1 this is
+  Dense blocks append every token. A sparse block needs its routers' decisions
+  (a host sync); if no sequence routes its token the block is skipped
+  altogether, otherwise only the routed sequences' rows are gathered, run
+  through the block, cached and added back. A skipped block leaves the stream
+  as it was, so the decisions of a run of consecutive sparse blocks (whose kind
+  decides by the router logit) are scored together, in one matmul and one sync,
+  up to the first block some sequence takes; after it, the rest of the run is
+  scored again (:class:`_SparseRun`). A token routed through c of a window's
+  blocks then costs about one sync per block it takes, not one per block. At batch 1 this is
   where decoding saves time; at larger batches the block's weights are read
   whenever *any* sequence routes, so the saving in a memory-bound step shrinks
   to the probability that none does, (1 - c)^B.
@@ -46,7 +51,7 @@ from typing import Any
 import torch
 
 from xmodlm.errors import UserError
-from xmodlm.model.blocks import DecodeStep, Prompts
+from xmodlm.model.blocks import DecodeStep, Prompts, RoutedBlock
 from xmodlm.model.kv_cache import DEFAULT_SLACK, KVCache
 from xmodlm.model.transformer import Transformer
 
@@ -83,6 +88,7 @@ class Decoder:
         )
         self.seq_len = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.seq_lens = [0] * batch
+        self.runs = _SparseRun.of(model)
 
     @property
     def batch(self) -> int:
@@ -138,8 +144,20 @@ class Decoder:
         cos, sin = model.rope(pos_B.unsqueeze(1))
         step = DecodeStep(pos_B, cos, sin)
         x = model.embed(tokens_B.to(self.device).unsqueeze(1))
-        for block, cache in zip(model.blocks, self.cache.blocks, strict=True):
-            x = block.step(x, step, cache)
+        blocks, caches = model.blocks, self.cache.blocks
+        i = 0
+        while i < len(blocks):
+            run = self.runs.get(i)
+            if run is None:
+                x = blocks[i].step(x, step, caches[i])
+                i += 1
+                continue
+            taken, r_B1, sel = run.first_taken(i, x)
+            if taken is None:  # no sequence takes any block left in the run
+                i = run.end
+                continue
+            x = blocks[taken].step_decided(x, step, caches[taken], r_B1, sel)
+            i = taken + 1
         self.seq_len += 1
         self.seq_lens = [n + 1 for n in self.seq_lens]
         return model.head(model.norm(x[:, 0]))
@@ -152,6 +170,50 @@ class Decoder:
         self.cache.keep(rows)
         self.seq_len = self.seq_len[torch.tensor(rows, dtype=torch.long, device=self.device)]
         self.seq_lens = [self.seq_lens[r] for r in rows]
+
+
+class _SparseRun:
+    """Consecutive sparse blocks whose decisions are their router logits, scored
+    together: the routers stacked (N, D) and the thresholds in effect (N,), both
+    read when the decoder is made. :meth:`of` maps each block index inside a run
+    to its run."""
+
+    def __init__(self, blocks: list[RoutedBlock], start: int) -> None:
+        self.start, self.end = start, start + len(blocks)
+        self.w_ND = torch.cat([b.router.weight.detach().float() for b in blocks])
+        self.thr_N = torch.stack([
+            torch.as_tensor(b.router.effective_threshold(), dtype=torch.float32,
+                            device=self.w_ND.device).reshape(())
+            for b in blocks
+        ])
+
+    @classmethod
+    def of(cls, model: Transformer) -> dict[int, _SparseRun]:
+        runs: dict[int, _SparseRun] = {}
+        group: list[RoutedBlock] = []
+        for i, block in enumerate([*model.blocks, None]):
+            if isinstance(block, RoutedBlock) and block.router.kind.decides_by_router_logit:
+                group.append(block)
+                continue
+            if len(group) > 1:
+                run = cls(group, i - len(group))
+                runs.update(dict.fromkeys(range(run.start, run.end), run))
+            group = []
+        return runs
+
+    def first_taken(
+        self, i: int, x_B1D: torch.Tensor
+    ) -> tuple[int | None, torch.Tensor | None, list[bool]]:
+        """The first block from ``i`` on that some sequence takes: its index, router
+        logits (B, 1) and decisions; (None, None, []) when none takes any."""
+        k = i - self.start
+        r_BN = x_B1D[:, 0].float() @ self.w_ND[k:].T
+        sel_BN = r_BN > self.thr_N[k:]
+        any_N = sel_BN.any(0).tolist()
+        if True not in any_N:
+            return None, None, []
+        j = any_N.index(True)
+        return i + j, r_BN[:, j : j + 1], sel_BN[:, j].tolist()
 
 
 # --- sampling ---------------------------------------------------------------------------

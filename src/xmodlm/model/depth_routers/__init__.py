@@ -38,6 +38,10 @@ class DepthRouterKind:
     """
 
     name: ClassVar[str]
+    # True when the decision logit is the router logit itself: a decoder can then
+    # score a run of sparse blocks in one matmul (the stream is the same for every
+    # block it skips)
+    decides_by_router_logit: ClassVar[bool] = False
 
     def __init__(self, d_model: int) -> None:
         self.d_model = d_model

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 class RouterLogit(DepthRouterKind):
     name = "bce"
+    decides_by_router_logit = True
 
     def decision_logits(self, head: Any, x_BTD: Tensor, r_BT: Tensor) -> Tensor:
         return r_BT
