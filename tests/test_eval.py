@@ -174,6 +174,8 @@ def test_decode_runs_side_by_side(tiny_run: Path, tiny_data_dir: Path, tmp_path:
     out = json.loads(capsys.readouterr().out)
     d, x = out["runs"][str(dense)], out["runs"][str(tiny_run)]
     assert d["family"] == "dense" and x["family"] == "xmod" and out["rounds"] == 2
+    assert x["threshold_rule"] == "calibrated" and d["threshold_rule"] is None
+    assert out["machine"]["git_commit"] and out["command"].startswith("xmod bench --decode-runs")
     half = 16  # context 32
     assert d["prompt_len"] == x["prompt_len"] == half
     assert d["kv_bytes_used"] == 4 * 2 * half * 2 * 32 * 4  # blocks x tokens x (k, v) x width x fp32

@@ -216,6 +216,7 @@ def decode_runs(
     Meant for the best X-MoD run of a study and its FLOP-matched dense run.
     """
     from xmodlm.data.batches import load_split
+    from xmodlm.hardware import environment_record
     from xmodlm.train.checkpoint import load_run
 
     if len(run_dirs) < 2:
@@ -236,7 +237,12 @@ def decode_runs(
                 prompts=prompts[run],
             ))
     first = run_dirs[0]
-    out: dict[str, Any] = {"rounds": rounds, "threads": torch.get_num_threads(), "runs": {}}
+    env = environment_record()
+    out: dict[str, Any] = {
+        "command": " ".join(["xmod", "bench", "--decode-runs", ",".join(run_dirs)]),
+        "machine": {k: env.get(k) for k in ("cpu", "cpu_count", "torch", "git_commit")},
+        "rounds": rounds, "threads": torch.get_num_threads(), "runs": {},
+    }
     for run in run_dirs:
         res = figures[run]
         out["runs"][run] = {
@@ -251,5 +257,6 @@ def decode_runs(
                 a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(res, figures[first], strict=True)
             ),
             "kv_bytes_vs_first": res[-1]["kv_bytes_used"] / max(1, figures[first][-1]["kv_bytes_used"]),
+            "threshold_rule": models[run].threshold_rule() if models[run].routed_blocks() else None,
         }
     return out
