@@ -53,6 +53,7 @@ from xmodlm.fileio import atomic_write_json, atomic_write_text
 from xmodlm.law.table import finished_runs, read_table
 from xmodlm.pairing import NO_PARTNER, dense_partners
 from xmodlm.progress import Progress
+from xmodlm.report.isoflop import isoflop, isoflop_markdown
 
 if TYPE_CHECKING:
     from xmodlm.law.fit import LawFit
@@ -741,6 +742,7 @@ def sweep_report(
         "dense_controls": controls,
         "dense_ladder": _dense_ladder(every),
         "equal_size": equal_size(every),
+        "isoflop": isoflop(every, CONFIG_KEYS),
         "causal_gap": None,
         "dynamics": None,
         "law": None,
@@ -955,6 +957,7 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
                       f"`{c['path']}` ({c['dense_runs']} runs)" for c in report["dense_controls"]
                   ) + "."]
     lines += _equal_size_markdown(report["equal_size"])
+    lines += isoflop_markdown(report.get("isoflop") or [], _config_label)
     gap = report["causal_gap"]
     if gap:
         lines += [

@@ -1,0 +1,64 @@
+"""IsoFLOP profiles (xmodlm.report.isoflop): parabola minima, bracketing, differences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from xmodlm.report.isoflop import fit_parabola, isoflop
+
+SIZES = [1e5, 2e5, 4e5, 8e5, 1.6e6]
+SEEDS = {1e5: 1, 2e5: 3, 4e5: 3, 8e5: 3, 1.6e6: 1}
+
+
+def _runs(family: str, floor: float, n_star: float, sizes=SIZES, noise=0.01, seed=0,
+          curvature=0.05) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in sizes:
+        for s in range(SEEDS.get(n, 3)):
+            loss = floor + curvature * np.log(n / n_star) ** 2 + rng.normal(0, noise)
+            rows.append({"family": family, "stride": 1 if family == "dense" else 8,
+                         "capacity": 1.0 if family == "dense" else 0.125, "context": 512,
+                         "tier": 3e13, "params_active": n, "seed": s, "loss": loss,
+                         "tokens": 3e13 / (6 * n)})
+    return pd.DataFrame(rows)
+
+
+def test_parabola_vertex_is_exact_on_a_parabola() -> None:
+    x = np.log(np.array(SIZES))
+    a, x_star, l_star = fit_parabola(x, 3.0 + 0.2 * (x - np.log(3e5)) ** 2, np.ones(5))
+    assert a == pytest.approx(0.2) and np.exp(x_star) == pytest.approx(3e5)
+    assert l_star == pytest.approx(3.0)
+    a, x_star, _ = fit_parabola(x, 3.0 - 0.1 * x, np.ones(5))  # no curvature: no minimum
+    assert a <= 1e-12 and np.isnan(x_star) or a > 0 and x_star > x.max()
+
+
+def test_a_bracketed_minimum_and_its_interval_cover_the_truth() -> None:
+    (entry,) = isoflop(_runs("dense", 4.0, 4e5), ("family", "stride", "capacity"), n_boot=400)
+    (m,) = entry["minima"]
+    assert m["bracketed"] and m["best_size"] == 4e5 and m["seeds"] == [1, 3, 3, 3, 1]
+    lo, hi = m["n_star_ci95"]
+    assert lo < 4e5 < hi and hi / lo < 4
+    lo, hi = m["loss_star_ci95"]
+    assert lo < 4.0 < hi and hi - lo < 0.05
+    assert m["tokens_per_param"][0] == pytest.approx(3e13 / 6 / 1e10)
+
+
+def test_a_profile_on_one_side_of_its_minimum_is_not_bracketed() -> None:
+    df = _runs("dense", 4.0, 4e6, curvature=0.2)  # every size left of the minimum
+    (entry,) = isoflop(df, ("family", "stride", "capacity"), n_boot=200)
+    assert not entry["minima"][0]["bracketed"]
+
+
+def test_difference_of_minima_recovers_the_offset() -> None:
+    df = pd.concat([_runs("dense", 4.0, 4e5, seed=1), _runs("xmod", 3.95, 6e5, seed=2)])
+    (entry,) = isoflop(df, ("family", "stride", "capacity"), n_boot=400)
+    (vs,) = entry["vs_dense"]
+    assert vs["config"]["family"] == "xmod"
+    assert vs["minus"] == pytest.approx(-0.05, abs=0.02)
+    lo, hi = vs["ci95"]
+    assert lo < -0.05 < hi and vs["resolved"] and vs["both_bracketed"]
+    # two sizes only: no profile at all
+    assert isoflop(_runs("dense", 4.0, 4e5, sizes=SIZES[:2]), ("family",), n_boot=10) == []
