@@ -527,3 +527,27 @@ def test_residual_rms_at_init_is_the_run_model_rebuilt(tmp_path: Path, tiny_data
     again = run_dynamics(run)
     assert again is not None and "on random tokens" in again["init_tokens"]
     assert again["residual_rms_init"] == run_dynamics(run)["residual_rms_init"]
+
+
+def test_pairs_that_mix_cpu_kinds_dtypes_or_compile_modes_are_flagged() -> None:
+    """A routed run and its dense partner on two CPU kinds (or dtypes, compile modes)
+    are two draws: the comparison says so; unrecorded values flag nothing."""
+    from xmodlm.report.sweep_report import mixed_pair
+
+    a = pd.Series({"cpu_kind": "AMD EPYC (family 26 model 2; avx2 avx512f)", "dtype": "fp32",
+                   "compile": "on"})
+    assert mixed_pair(a, a.copy()) == ""
+    b = a.copy()
+    b["cpu_kind"], b["compile"] = "Intel Xeon (family 6 model 143; avx2 avx512f amx_bf16)", "off"
+    assert mixed_pair(a, b).startswith("cpu_kind: AMD EPYC") and "compile: on vs off" in mixed_pair(a, b)
+    assert mixed_pair(a, pd.Series({"dtype": "fp32"})) == ""  # not recorded: nothing to say
+
+
+def test_cpu_kind_names_family_model_and_kernel_flags() -> None:
+    from xmodlm.hardware import cpu_kind
+
+    info = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+            "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16 sha_ni\n\n"
+            "processor\t: 1\nmodel name\t: other\n")
+    assert cpu_kind(info) == "AMD EPYC (family 26 model 2; avx2 avx512f avx512_bf16)"
+    assert cpu_kind("model name\t: AMD EPYC\nflags\t: avx2\n") == "AMD EPYC (avx2)"

@@ -20,9 +20,13 @@ RUN_COLUMNS = (
 )
 # What a reader needs to check a row: the causal loss, how long the run trained and
 # on what, which code it ran, and why it failed if it did.
+# What a compared pair must share besides seed, data and budget: the same run on
+# another CPU kind, dtype or compile mode is another draw (0.037 nats apart, measured).
+PAIRING_COLUMNS = ("cpu_kind", "dtype", "compile")
 EXTRA_COLUMNS = (
     "run_id", "val_loss_causal", "routing_agreement", "wall_s",
     "steps", "batch_tokens", "lr", "warmup_steps", "epochs", "layout", "commit", "error",
+    *PAIRING_COLUMNS,
 )
 # From ``eval.json``, where the sweep evaluated the final checkpoint (spec ``eval``):
 # the held-out loss on the evaluation split under both routings, the KV-cache

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from xmodlm import record
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_json, atomic_write_text
 from xmodlm.law.table import finished_runs, read_table
@@ -142,6 +143,15 @@ def _task_columns(df: pd.DataFrame) -> list[str]:
     return sorted(c for c in df.columns if c.startswith("task_"))
 
 
+def mixed_pair(run: pd.Series, ref: pd.Series) -> str:
+    """What a routed run and its dense partner do not share of
+    :data:`record.PAIRING_COLUMNS` ("" when they share all, or it is not recorded)."""
+    return ", ".join(
+        f"{k}: {run.get(k)} vs {ref.get(k)}" for k in record.PAIRING_COLUMNS
+        if pd.notna(run.get(k)) and pd.notna(ref.get(k)) and run.get(k) != ref.get(k)
+    )
+
+
 def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     """One row per non-dense run with its FLOP-matched dense reference
     (:func:`xmodlm.pairing.dense_partners`); and the unmatched count."""
@@ -173,6 +183,7 @@ def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
                 "compute_ratio": run["compute"] / ref["compute"],
                 "run_id": run.get("run_id"),
                 "dense_run_id": ref.get("run_id"),
+                "mixed": mixed_pair(run, ref),
                 **{f"delta_{k}": float(run[k]) - float(ref[k]) for k in _task_columns(df)
                    if pd.notna(run.get(k)) and pd.notna(ref.get(k))},
             }
@@ -737,6 +748,7 @@ def sweep_report(
         "vs_dense_by_tier": {},
         "vs_dense_by_config": {},
         "loss": "causal routing where recorded (top-k beside it)",
+        "mixed_pairs": [],
         "paired": [],
         "learning_rates": learning_rates(df),
         "dense_controls": controls,
@@ -762,6 +774,11 @@ def sweep_report(
             for key, g in comparisons.groupby(list(CONFIG_KEYS), dropna=False)
         }
         report["paired"] = paired(comparisons)
+        mixed = comparisons[comparisons["mixed"] != ""]
+        report["mixed_pairs"] = [
+            {"run_id": r.run_id, "dense_run_id": r.dense_run_id, "mixed": r.mixed}
+            for r in mixed.itertuples()
+        ]
         report["mechanisms"] = mechanism_effects(comparisons)
         report["tasks"] = paired_tasks(comparisons)
     if "val_loss_causal" in df.columns:
@@ -956,6 +973,11 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
                   " the FLOP-matched pairing): " + "; ".join(
                       f"`{c['path']}` ({c['dense_runs']} runs)" for c in report["dense_controls"]
                   ) + "."]
+    if report.get("mixed_pairs"):
+        lines += ["", f"**{len(report['mixed_pairs'])} compared pairs mix CPU kinds, dtypes or"
+                  " compile modes** (each such pair is two draws, not one paired comparison):", ""]
+        lines += [f"* {m['run_id']} vs {m['dense_run_id']}: {m['mixed']}"
+                  for m in report["mixed_pairs"]]
     lines += _equal_size_markdown(report["equal_size"])
     lines += isoflop_markdown(report.get("isoflop") or [], _config_label)
     gap = report["causal_gap"]

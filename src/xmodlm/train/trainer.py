@@ -440,6 +440,9 @@ def train(
             cfg, state, counts, status, budget, len(train_data), ddp.world_size, env["git_commit"],
             dtype,
         )
+        summary.update(cpu_kind=env["cpu_kind"] if device.type == "cpu" else
+                       (env.get("cuda") or {}).get("device"),
+                       compile="on" if compiles(cfg, device) else "off")
         if ddp.is_main and status != "interrupted":
             atomic_write_json(run / "summary.json", summary)
         return summary
@@ -484,10 +487,15 @@ def _wrap(model: Transformer, cfg: Config, ddp: Dist, device: torch.device) -> n
             # MoE experts may receive no token in a step
             find_unused_parameters="E" in model.layout,
         )
-    mode = cfg.train.compile
-    if mode == "on" or (mode == "auto" and device.type == "cuda"):
+    if compiles(cfg, device):
         wrapped = torch.compile(wrapped)
     return wrapped
+
+
+def compiles(cfg: Config, device: torch.device) -> bool:
+    """Whether training compiles the model: ``train.compile=on``, or ``auto`` on a GPU."""
+    mode = cfg.train.compile
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 def _train_step(
