@@ -273,6 +273,9 @@ CASES: list[tuple[str, list[str], int]] = [
     ("generate no prompt", ["generate", "{run}"], 2),
     ("generate corrupt checkpoint", ["generate", "{corrupt_run}", "--prompt", "x"], 2),
     # eval
+    ("eval --batches 0", ["eval", "{run}", "--batches", "0"], 2),
+    ("calibrate --tokens 0", ["calibrate", "{run}", "--tokens", "0"], 2),
+    ("calibrate missing run", ["calibrate", "{root}/nowhere"], 2),
     ("eval --device banana", ["eval", "{run}", "--device", "banana"], 2),
     pytest.param("eval --device cuda", ["eval", "{run}", "--device", "cuda"], 2,
                  marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA present")),

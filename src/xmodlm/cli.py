@@ -511,8 +511,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from xmodlm.eval import evaluate_run
 
     tasks = tuple(t for t in args.tasks.split(",") if t) if args.tasks else ()
+    if args.batches < 1:
+        raise UserError(f"--batches {args.batches}: must be at least 1")
     result = evaluate_run(args.run_dir, data_dir=args.data, split=args.split, tasks=tasks,
-                          max_items=args.max_items, device=_check_device(args.device))
+                          max_items=args.max_items, max_batches=args.batches,
+                          device=_check_device(args.device))
     if args.json:
         _print_json(result)
     else:
@@ -774,6 +777,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test")
     p.add_argument("--tasks", default="cloze,minimal_pairs", help="comma-separated; '' for none")
     p.add_argument("--max-items", type=int, default=200)
+    p.add_argument("--batches", type=int, default=8, metavar="N",
+                   help="evaluation batches of the run's batch size (at most what the split"
+                        " holds); more for tighter routed fractions (default: 8)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true",
