@@ -45,20 +45,19 @@ def evaluate(
         calibrate(model, calibration, device, dtype)
     was_training = model.training
     model.eval()
-    rules = {"": None}
-    if compare_rules and routed:
-        rules["_half"] = "half"
-    sums = dict.fromkeys(["topk", *(f"causal{s}" for s in rules)], 0.0)
+    # causal routing under the rule in effect ("") and, compared, the half rule;
+    # a model without sparse blocks routes causally as it does by top-k
+    rules = {"": None, **({"_half": "half"} if compare_rules else {})} if routed else {}
+    sums = dict.fromkeys(["topk", "causal", *(f"causal{s}" for s in rules)], 0.0)
     stats_acc: dict[str, list[Any]] = {}
     for x, y in (track(batches, desc, unit="batch") if desc else batches):
         x, y = x.to(device), y.to(device)
         with autocast_context(device, dtype):
             out_t = model(x, y, routing_mode="topk", return_stats=True)
             sums["topk"] += float(out_t.loss)
+            if not routed:
+                sums["causal"] += float(out_t.loss)
             for suffix, rule in rules.items():
-                if not routed:
-                    sums["causal"] += float(out_t.loss)
-                    continue
                 with model.using_threshold_rule(rule) if rule else contextlib.nullcontext():
                     out_c = model(x, y, routing_mode="causal", return_stats=True)
                 sums[f"causal{suffix}"] += float(out_c.loss)
