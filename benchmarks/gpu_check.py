@@ -245,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         elif stage == "bench":
             from xmodlm.bench import run_bench
 
+            # the width scan is a CPU figure (one thread): not worth the GPU's minutes
             result = run_bench(device=device.type, quick=args.toy, include_law=False,
-                               sizes="bench")
+                               include_widths=False, sizes="bench")
             atomic_write_json(args.out / "bench.json", result)
             (section,) = result["sizes"]["bench"]["threads"].values()
             result = {"file": "bench.json",
