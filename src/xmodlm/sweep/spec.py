@@ -31,6 +31,14 @@ evaluates each run's final checkpoint right after it trains (``xmod eval``, caus
 and top-k routing, the offline downstream tasks) into ``RUN/eval.json``, whose
 figures join the results table: checkpoints stay on the machine that trained them.
 
+``lr_rule`` (optional, ``{lr: 4.0e-3, width: 128, power: 1.0}``) sets each run's
+learning rate from its width, ``lr * (width / rule width) ** -power``, the same for
+every family at that width, so that an isoFLOP profile does not handicap the sizes
+far from the width a single rate was tuned at. A family's own ``lr`` replaces the
+rule; its ``lr_scale`` (a list, crossed) multiplies the rate it gets, which is how
+a rule is checked (``lr_scale: [0.5, 1, 2]``). A family's ``dense`` (a list of the
+spec's dense entries) narrows the sizes it runs at, like its ``seeds``.
+
 ``require`` (optional) states the design rules every run must meet, checked
 before anything runs (``xmod sweep`` refuses a spec that breaks one, naming the
 run): ``min_steps`` (optimiser steps after warmup), ``max_warmup_frac``,
@@ -68,14 +76,16 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 SPEC_KEYS = {
     "name", "base", "compute", "context", "dense", "families", "seeds", "set", "batch_tokens",
-    "require", "eval",
+    "require", "eval", "lr_rule",
 }
 EVAL_KEYS = {"tasks": "", "split": "test", "max_items": 200}  # ``eval:`` keys and defaults
 ROUTING_KEYS = {"stride", "capacity", "gating", "balance_coef", "causal_router", "causal_coef"}
 MOE_KEYS = {"n_experts", "moe_top_k", "moe_aux_coef", "moe_z_coef"}
 LAYOUT_KEYS = {"anchors"}  # "stride" (every S-th block, the default) | "first" (block 0 only)
 TRAIN_KEYS = {"lr", "warmup_steps"}  # per-family training settings (e.g. tuned learning rates)
-GRID_KEYS = {"seeds", "compute"}  # per-family narrowing of the spec's grid (not crossed)
+SCALE_KEYS = {"lr_scale"}  # per-family multipliers of a training setting (crossed)
+GRID_KEYS = {"seeds", "compute", "dense"}  # per-family narrowing of the spec's grid (not crossed)
+LR_RULE_KEYS = ("lr", "width", "power")
 RULES = {  # design rules a spec may require of every run: name -> (kind, what it bounds)
     "min_steps": ("min", "optimiser steps after warmup"),
     "max_warmup_frac": ("max", "warmup steps / steps"),
@@ -159,7 +169,7 @@ def load_spec(path: str | Path) -> dict[str, Any]:
 
 # value kinds of a spec's family keys, checked before expansion (see check_spec)
 _INT_KEYS = {"stride": 1, "n_experts": 1, "moe_top_k": 1, "warmup_steps": 0}
-_NUMBER_KEYS = {"balance_coef", "causal_coef", "moe_aux_coef", "moe_z_coef", "lr"}
+_NUMBER_KEYS = {"balance_coef", "causal_coef", "moe_aux_coef", "moe_z_coef", "lr", "lr_scale"}
 _STRING_KEYS = {"gating", "causal_router", "anchors"}
 
 
@@ -259,6 +269,47 @@ def _rules(value: Any) -> dict[str, float]:
     return {k: _number(v, f"require.{k}") for k, v in value.items()}
 
 
+def _lr_rule(value: Any) -> dict[str, float]:
+    if not isinstance(value, dict) or set(value) != set(LR_RULE_KEYS):
+        raise UserError(
+            f"sweep spec: lr_rule={value!r}: must be a mapping of exactly {', '.join(LR_RULE_KEYS)}"
+            " (lr * (width / rule width) ** -power)"
+        )
+    rule = {k: _number(value[k], f"lr_rule.{k}") for k in LR_RULE_KEYS}
+    if rule["lr"] <= 0 or rule["width"] <= 0:
+        raise UserError(f"sweep spec: lr_rule={value!r}: lr and width must be > 0")
+    return rule
+
+
+def rule_lr(rule: dict[str, float], width: int) -> float:
+    """The learning rate ``lr_rule`` gives a model of this width."""
+    return rule["lr"] * (width / rule["width"]) ** -rule["power"]
+
+
+def _size(ref: dict[str, Any]) -> tuple[int, int]:
+    return int(ref["width"]), int(ref["n_layers"])
+
+
+def _dense_subset(value: Any, dense: list[dict[str, Any]], where: str) -> list[tuple[int, int]]:
+    """A family's narrowing of the dense entries: each must be one of the spec's."""
+    known = {_size(ref) for ref in dense}
+    sizes = []
+    for ref in _as_list(value):
+        if isinstance(ref, tuple):  # already checked (check_spec runs again in expand)
+            ref = {"width": ref[0], "n_layers": ref[1]}
+        if not isinstance(ref, dict) or not {"width", "n_layers"} <= set(ref):
+            raise UserError(f"sweep spec: {where}: each entry needs width and n_layers")
+        size = (_integer(ref["width"], f"{where}.width", 1),
+                _integer(ref["n_layers"], f"{where}.n_layers", 1))
+        if size not in known:
+            raise UserError(
+                f"sweep spec: {where}: width {size[0]}, n_layers {size[1]} is not one of the"
+                f" spec's dense entries ({', '.join(f'{w}x{n}' for w, n in sorted(known))})"
+            )
+        sizes.append(size)
+    return sizes
+
+
 def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """Check the values of a loaded spec before expansion; return it with numbers that
     YAML left as strings ("3e12") read as numbers. Every fault is one UserError line."""
@@ -283,6 +334,8 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
         dense.append({k: _integer(v, f"dense.{k}", 1) if k in ("width", "n_layers", "n_heads")
                       else v for k, v in ref.items()})
     out["dense"] = dense
+    if spec.get("lr_rule") is not None:
+        out["lr_rule"] = _lr_rule(spec["lr_rule"])
     families = []
     for entry in _as_list(spec["families"]):
         if not isinstance(entry, dict):
@@ -296,6 +349,9 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
                 continue
             if key == "compute":
                 fam[key] = _budgets(value, where, out.get("context"), partial=True)
+                continue
+            if key == "dense":
+                fam[key] = _dense_subset(value, dense, where)
                 continue
             values = _as_list(value)
             if key in _INT_KEYS:
@@ -326,7 +382,7 @@ def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
         )
     for key in GRID_KEYS:
         entry.pop(key, None)
-    allowed = ROUTING_KEYS | MOE_KEYS | LAYOUT_KEYS | TRAIN_KEYS
+    allowed = ROUTING_KEYS | MOE_KEYS | LAYOUT_KEYS | TRAIN_KEYS | SCALE_KEYS
     unknown = set(entry) - allowed
     if unknown:
         raise UserError(
@@ -383,6 +439,8 @@ def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
         budgets = _for_context(family_entry.get("compute", spec["compute"]), context)
         if tier >= len(budgets) or seed not in family_entry.get("seeds", default_seeds):
             continue
+        if "dense" in family_entry and _size(dense_ref) not in family_entry["dense"]:
+            continue
         compute = budgets[tier]
         overrides = [
             f"model.d_model={dense_ref['width']}",
@@ -393,6 +451,8 @@ def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
         ]
         if "n_heads" in dense_ref:
             overrides.append(f"model.n_heads={dense_ref['n_heads']}")
+        if spec.get("lr_rule"):
+            overrides.append(f"train.lr={rule_lr(spec['lr_rule'], int(dense_ref['width'])):.6g}")
         if context is not None:
             overrides.append(f"model.context={context}")
         if spec.get("batch_tokens"):  # the same tokens per step at every context
@@ -456,10 +516,12 @@ def check_requirements(
 
 def _resolve_variant(dense_cfg: Config, variant: dict[str, Any]) -> Config:
     family = variant["family"]
-    changes = {k: v for k, v in variant.items() if k not in {"family"} | TRAIN_KEYS}
+    changes = {k: v for k, v in variant.items() if k not in {"family"} | TRAIN_KEYS | SCALE_KEYS}
     train = dataclasses.replace(
         dense_cfg.train, **{k: v for k, v in variant.items() if k in TRAIN_KEYS}
     )
+    if variant.get("lr_scale", 1) != 1:
+        train = dataclasses.replace(train, lr=float(f"{train.lr * variant['lr_scale']:.6g}"))
     anchors = changes.pop("anchors", "stride")
     if anchors not in ("stride", "first"):
         raise UserError(f"sweep spec: anchors={anchors!r}: allowed: stride, first")
