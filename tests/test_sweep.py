@@ -202,6 +202,38 @@ def test_budgets_per_context_and_family_narrowing(tiny_data_dir: Path, tmp_path:
     assert [r.run_id for r in plain] == [r.run_id for r in again]
 
 
+def test_lr_rule_per_width_scaled_and_narrowed_to_some_sizes(tiny_data_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """lr_rule gives each width its rate, the same for every family; lr_scale multiplies
+    it (crossed); a family's own lr replaces it; a family's dense narrows its sizes."""
+    dense = [{"width": 32, "n_layers": 2, "n_heads": 2}, {"width": 64, "n_layers": 2, "n_heads": 2}]
+    families = [
+        {"family": "dense"},
+        {"family": "xmod", "stride": 2, "capacity": 0.5, "lr_scale": [0.5, 2],
+         "dense": [{"width": 64, "n_layers": 2}]},
+        {"family": "mod", "lr": 1.0e-3},
+    ]
+    rule = {"lr": 4.0e-3, "width": 32, "power": 1.0}
+    runs = expand(load_spec(_spec(tmp_path, tiny_data_dir, families, dense=dense, lr_rule=rule)))
+    got = sorted((r.cfg.model.family, r.cfg.model.d_model, r.cfg.train.lr) for r in runs)
+    assert got == [
+        ("dense", 32, 4.0e-3), ("dense", 64, 2.0e-3),
+        ("mod", 32, 1.0e-3), ("mod", 64, 1.0e-3),
+        ("xmod", 64, 1.0e-3), ("xmod", 64, 4.0e-3),
+    ]
+    # at scale 1 a run is the very run of the spec without lr_scale: same id
+    one = expand(load_spec(_spec(tmp_path, tiny_data_dir, [{"family": "dense", "lr_scale": [1]}],
+                                 dense=dense, lr_rule=rule)))
+    plain = expand(load_spec(_spec(tmp_path, tiny_data_dir, [{"family": "dense"}],
+                                   dense=dense, lr_rule=rule)))
+    assert [r.run_id for r in one] == [r.run_id for r in plain]
+    with pytest.raises(UserError, match="not one of the spec's dense entries"):
+        load_spec(_spec(tmp_path, tiny_data_dir, [{"family": "dense",
+                                                   "dense": [{"width": 48, "n_layers": 2}]}]))
+    with pytest.raises(UserError, match="lr_rule"):
+        load_spec(_spec(tmp_path, tiny_data_dir, [{"family": "dense"}], lr_rule={"lr": 1e-3}))
+
+
 def test_design_rules_are_measured_per_run(tiny_data_dir: Path, tmp_path: Path) -> None:
     from xmodlm.sweep.spec import check_requirements
 
