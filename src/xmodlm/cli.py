@@ -476,6 +476,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         law=load_fit(args.law) if args.law else None,
         max_total_params=args.max_total_params,
         loss=args.loss,
+        vocab_size=args.vocab_size,
     )
     if args.json:
         _print_json(result)
@@ -878,6 +879,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, required=True, help="context length T")
     p.add_argument("--active-params", type=_finite, required=True, help="N_ae of the backbone")
     p.add_argument("--max-total-params", type=_finite, default=None)
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="vocabulary of the models compared (it sets the LM head's FLOPs)")
     p.add_argument("--law", default=None, help="fit JSON (default: the shipped fit)")
     p.add_argument("--loss", default=None, choices=["causal", "topk"],
                    help="the loss to optimise; the law must have been fitted on it"

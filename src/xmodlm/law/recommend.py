@@ -144,6 +144,8 @@ def recommend(
     (None: whichever it was fitted on).
     """
     _check(compute, context, active_params, max_total_params, strides, capacities)
+    if vocab_size < 2:
+        raise UserError(f"vocab_size={vocab_size}: must be an integer >= 2")
     fit = law if law is not None else _default_fit()
     if loss is not None and loss != fit.loss:
         raise UserError(
