@@ -1,8 +1,11 @@
 """Small file helpers shared by the package: atomic writes and checksums.
 
-Data files, checkpoints, configs and summaries are written through :func:`atomic_open`,
-so a crash or a full disk leaves either the old file or the new one, never half a
-file that a later run would mistake for finished work.
+Data files, checkpoints, configs, summaries, tables and figures are written through
+:func:`atomic_open`, so a crash or a full disk leaves either the old file or the
+new one, never half a file that a later run would mistake for finished work (nor a
+truncated copy of a good earlier plot). No write follows a symbolic link: the
+temporary file is opened with ``O_NOFOLLOW`` and the rename replaces a link at the
+destination with a file instead of writing through it to wherever it pointed.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,12 +27,19 @@ def atomic_open(path: Path, mode: str = "wb", **kwargs: Any) -> Iterator[IO[Any]
     """Open a temporary file beside ``path``; on success fsync it and rename it over ``path``.
 
     The temporary file lives in the same directory so that ``os.replace`` is an
-    atomic rename on the same file system. On any exception it is removed.
+    atomic rename on the same file system. On any exception it is removed. Its name
+    carries the process and thread, so two writers of one path never share it; it
+    is created with mode 0666 less the umask (as ``open`` would) and never through a
+    link planted at its name.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
     try:
-        with open(tmp, mode, **kwargs) as handle:
+        if tmp.is_symlink():
+            tmp.unlink()
+        fd = os.open(tmp, flags, 0o666)
+        with os.fdopen(fd, mode, **kwargs) as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
@@ -50,6 +61,20 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_write_json(path: Path, obj: Any) -> None:
     """:func:`atomic_write_text` of ``obj`` as indented JSON."""
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def atomic_savefig(fig: Any, path: Path, **kwargs: Any) -> Path:
+    """Save a matplotlib figure to ``path`` through :func:`atomic_open`.
+
+    ``savefig`` given a file name truncates it first, so a full disk mid-render
+    would destroy the earlier good figure; here it renders into the temporary file
+    and the format comes from the suffix (``.png``, ``.pdf``, ``.svg``).
+    """
+    path = Path(path)
+    kwargs.setdefault("format", path.suffix.lstrip(".").lower() or "png")
+    with atomic_open(path, "wb") as handle:
+        fig.savefig(handle, **kwargs)
+    return path
 
 
 def fsync_dir(directory: Path) -> None:

@@ -19,6 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from xmodlm.errors import UserError
+from xmodlm.fileio import atomic_savefig
 from xmodlm.train.loggers import read_metrics
 
 
@@ -64,7 +65,7 @@ def plot_runs(
     fig = loss_figure([run_curves(r) for r in run_dirs], labels, title)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    atomic_savefig(fig, out)
     return out
 
 

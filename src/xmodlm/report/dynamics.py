@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from xmodlm.errors import UserError
+from xmodlm.fileio import atomic_savefig
 from xmodlm.train.loggers import read_metrics
 
 if TYPE_CHECKING:
@@ -439,5 +440,5 @@ def _save(fig: Any, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    atomic_savefig(fig, path, dpi=120, bbox_inches="tight")
     return path

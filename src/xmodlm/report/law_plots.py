@@ -23,6 +23,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from xmodlm.fileio import atomic_savefig
 from xmodlm.law import dense
 from xmodlm.law.delta import Features
 from xmodlm.law.fit import LawFit, fitted_runs, paired_baseline, predict_samples
@@ -45,7 +46,7 @@ def plot_law(fit: LawFit, df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     paths = []
     for name, fig in figures.items():
         FigureCanvasAgg(fig)
-        fig.savefig(out / name, dpi=120, bbox_inches="tight")
+        atomic_savefig(fig, out / name, dpi=120, bbox_inches="tight")
         paths.append(out / name)
     return paths
 

@@ -27,6 +27,7 @@ from matplotlib.patches import Rectangle
 
 from xmodlm.data.tokenizer import Tokenizer
 from xmodlm.errors import UserError
+from xmodlm.fileio import atomic_savefig, atomic_write_text
 from xmodlm.model import Transformer
 from xmodlm.model.blocks import RoutedBlock
 from xmodlm.model.layers import matmul_dtype
@@ -122,7 +123,7 @@ def _save(fig: Figure, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     return path
 
 
@@ -231,7 +232,7 @@ decisions. Mean depth {info["mean_depth"]:.2f}.{" Truncated to the context." if 
 """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
+    atomic_write_text(path, page)
     return path
 
 
