@@ -230,6 +230,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         hf_column=args.hf_column,
         hf_streaming=args.hf_streaming,
         hf_limit=args.hf_limit,
+        force=args.force,
     )
     splits = manifest["splits"]
     print(
@@ -361,6 +362,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(f"{result['ran']} ran, {result['skipped']} already done, {result['failed']} failed,"
           f" {result['diverged']} diverged;"
           f" {n_rows} rows in {path}" + (f" ({len(left_out)} left out)" if left_out else ""))
+    if result["signal"] is not None:  # 130 (SIGINT) or 143 (SIGTERM), as a shell reports it
+        import signal
+
+        sys.stderr.write(
+            f"xmod sweep: stopped by {signal.Signals(result['signal']).name}:"
+            f" {result['interrupted']} run(s) checkpointed, {result['not_started']} not started;"
+            " rerun the same command to resume\n"
+        )
+        return 128 + int(result["signal"])
     return 1 if result["failed"] else 0
 
 
@@ -456,14 +466,21 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
 
 
 def cmd_law_predict(args: argparse.Namespace) -> int:
-    from xmodlm.law.fit import load_fit, predict
+    from xmodlm.law.fit import load_fit, predict, predicts_losses
     from xmodlm.law.table import read_table
 
-    out = predict(load_fit(args.fit), read_table(args.input))
+    fit = load_fit(args.fit)
+    out = predict(fit, read_table(args.input))
+    what = "loss" if predicts_losses(fit) else "delta"
+    why = ("validation loss with its 95% interval (lo, hi)" if what == "loss" else
+           "delta = ln L(routed) - ln L(FLOP-matched dense) with its 95% interval: the fit"
+           " has no dense law (paired baseline, dense runs of one size), so it predicts"
+           " differences from dense, not losses; a fit with --baseline law predicts losses")
     if args.json:
-        _print_json({"predictions": out.to_dict(orient="records")})
+        _print_json({"predicts": what, "loss": fit.loss, "predictions": out.to_dict(orient="records")})
     else:
-        print(out.to_string(index=False))
+        print(f"predicted: {fit.loss}-routing {why}")
+        print(out.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     return 0
 
 
@@ -700,6 +717,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="your own Hugging Face tokenizer.json, used as it is (no BPE training;"
                    " --vocab-size is ignored)")
     p.add_argument("--seed", type=int, default=0, help="seed of the document split")
+    p.add_argument("--force", action="store_true",
+                   help="rebuild --out even though it holds a corpus prepared with other settings"
+                   " (runs trained on that corpus can then no longer be evaluated)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
     p.set_defaults(func=cmd_data_prepare)

@@ -17,7 +17,10 @@ fractions), the format version, and per split the documents, tokens, UTF-8 bytes
 of the document texts (so ``bits/byte = loss_nats / ln 2 * tokens / bytes``) and
 SHA-256 of every file. Calling :func:`prepare` again with the same request
 verifies those checksums and returns the manifest without writing anything; a
-changed request or a failed checksum rebuilds.
+failed checksum or a missing file rebuilds (the corpus is damaged anyway). A
+changed request (another vocabulary, other sources, another seed) on a complete
+corpus is refused unless ``force``: rebuilding would replace the token ids that
+runs trained on it read, and those runs could no longer be evaluated.
 
 Measured on the default corpus (913 documents, 23.0 MB of text, split 822 / 53 /
 38 documents = 20.65 / 1.17 / 1.17 MB) on a 2-core CPU: a first build takes about
@@ -103,6 +106,7 @@ def prepare(
     hf_column: str = "text",
     hf_streaming: bool = False,
     hf_limit: int | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Build (or verify) a prepared data directory and return its manifest.
 
@@ -113,6 +117,7 @@ def prepare(
     it is (``vocab_size`` is then the tokenizer's own) instead of training a BPE.
     ``hf_split``, ``hf_column``, ``hf_streaming``, ``hf_limit``: which rows of
     ``hf_dataset`` are documents (:func:`xmodlm.data.corpus.load_hf_dataset`).
+    ``force``: rebuild a complete corpus that was prepared with another request.
     """
     _check_arguments(vocab_size, seed, val_frac, test_frac)
     if hf_limit is not None and hf_limit < 1:
@@ -133,7 +138,7 @@ def prepare(
     }
     if tokenizer is not None:  # only when given: earlier requests still match
         request["tokenizer_sha256"] = sha256_file(Path(tokenizer))
-    manifest = _reusable_manifest(out, request)
+    manifest = _reusable_manifest(out, request, force)
     if manifest is not None:
         log.info("%s verified: %s", out, _token_summary(manifest))
         return manifest
@@ -158,8 +163,12 @@ def _check_arguments(vocab_size: int, seed: int, val_frac: float, test_frac: flo
 # --------------------------------------------------------------------------- verify
 
 
-def _reusable_manifest(out: Path, request: dict[str, Any]) -> dict[str, Any] | None:
-    """The existing manifest if it answers ``request`` and every file matches its checksum."""
+def _reusable_manifest(
+    out: Path, request: dict[str, Any], force: bool = False
+) -> dict[str, Any] | None:
+    """The existing manifest if it answers ``request`` and every file matches its checksum;
+    None where a build is due. A complete corpus of another request is refused (a
+    UserError naming the first difference) unless ``force``."""
     path = out / MANIFEST_FILE
     if not path.is_file():
         return None
@@ -169,7 +178,16 @@ def _reusable_manifest(out: Path, request: dict[str, Any]) -> dict[str, Any] | N
     except (ValueError, KeyError, TypeError):
         log.warning("%s is unreadable: rebuilding", path)
         return None
-    if manifest.get("format_version") != FORMAT_VERSION or manifest.get("request") != request:
+    old = manifest.get("request")
+    if manifest.get("format_version") == FORMAT_VERSION and old != request and not force:
+        old = old if isinstance(old, dict) else {}
+        key = next(k for k in [*request, *old] if old.get(k) != request.get(k))
+        raise UserError(
+            f"{out} already holds a corpus prepared with {key} {_shown(old.get(key))}"
+            f" (asked: {_shown(request.get(key))}); rebuilding would replace the token files"
+            " that runs trained on it read: pass --force to rebuild it, or give another --out"
+        )
+    if manifest.get("format_version") != FORMAT_VERSION or old != request:
         log.info("%s was prepared with other settings: rebuilding", out)
         return None
     for name, expected in checked:
@@ -181,6 +199,13 @@ def _reusable_manifest(out: Path, request: dict[str, Any]) -> dict[str, Any] | N
             log.warning("checksum of %s does not match %s: rebuilding", file, MANIFEST_FILE)
             return None
     return manifest
+
+
+def _shown(value: Any) -> str:
+    """A request value in a one-line message (source lists are long: their count)."""
+    if isinstance(value, list):
+        return f"{len(value)} source(s)" if value else "none"
+    return "none" if value is None else str(value)
 
 
 def _checked_files(manifest: dict[str, Any]) -> list[tuple[str, str]]:
