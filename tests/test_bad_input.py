@@ -11,9 +11,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -599,3 +602,112 @@ def _summary() -> dict:
             "capacity": 1.0, "context": 32, "gating": "logit", "balance_coef": 0.0,
             "params_total": 1000, "params_active": 900, "flops_per_token": 6000,
             "tokens": 1e6, "seed": 0, "final_val_loss": 3.5, "val_bpb": 1.2, "steps": 10}
+
+
+# --- sweeps: signals -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_a_sweep_in_one_go(
+    signum: int, world: dict[str, str], tmp_path: Path
+) -> None:
+    """One signal: the running run checkpoints and is left resumable (no failure
+    recorded, lock released), the queued run never starts, the sweep exits 128 + N."""
+    spec = yaml.safe_load(Path(world["spec_good"]).read_text())
+    spec["seeds"] = [0, 1]
+    spec["set"] = [s for s in spec["set"] if not s.startswith("train.max_steps")]
+    spec["set"] += ["train.max_steps=100000", "train.ckpt_every=100000", "train.log_every=1"]
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    out = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xmodlm", "sweep", str(tmp_path / "spec.yaml"), "--out", str(out),
+         "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("runs/*/metrics.jsonl")) or '"loss"' not in next(
+                out.glob("runs/*/metrics.jsonl")).read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, (stdout, stderr)
+    assert f"stopped by {signal.Signals(signum).name}" in stderr and "1 not started" in stderr
+    started = [d for d in (out / "runs").iterdir() if d.is_dir()]
+    assert len(started) == 1, started  # the queued run never started
+    run = started[0]
+    assert ckpt_io.checkpoint_dirs(run), "the interrupted run wrote no checkpoint"
+    assert not (run / "failure.json").exists() and not (run / "summary.json").exists()
+    assert not (run / ".lock").exists()  # the child let go of the run
+    from xmodlm.sweep.runner import run_state
+
+    assert run_state(run) == ("pending", 0)  # a rerun resumes it
+
+
+# --- nothing lost: corpora, figures ----------------------------------------------------
+
+
+def test_prepare_refuses_to_replace_a_corpus_of_another_vocabulary(
+    world: dict[str, str], tiny_data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = _copy_data(tiny_data_dir, tmp_path / "corpus")
+    before = {p.name: p.read_bytes() for p in corpus.iterdir()}
+    src = str(tiny_data_dir.parent / "src")
+    argv = ["data", "prepare", "--out", str(corpus), "--text", src, "--quiet"]
+    assert main([*argv, "--vocab-size", "320"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "vocab_size 300" in err and "--force" in err, err
+    assert {p.name: p.read_bytes() for p in corpus.iterdir()} == before
+    assert main([*argv, "--vocab-size", "300"]) == 0  # the same request: verified, kept
+    assert main([*argv, "--vocab-size", "320", "--force"]) == 0
+    assert json.loads((corpus / "manifest.json").read_text())["vocab_size"] == 320
+
+
+def test_a_plot_on_a_full_disk_keeps_the_earlier_plot(
+    world: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "curves.png"
+    assert main(["plot", world["run"], "--out", str(out)]) == 0
+    good = out.read_bytes()
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert main(["plot", world["run"], "--out", str(out), "--title", "again"]) == 2
+    assert "No space left" in capsys.readouterr().err
+    assert out.read_bytes() == good
+    assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]  # no temporary left
+
+
+@pytest.mark.parametrize("argv", [
+    ["plot", "{run}", "--out", "{out}.png"],
+    ["show-routing", "{run}", "--text", "The ship", "--out", "{out}.png"],
+], ids=["plot", "show-routing"])
+def test_figures_never_write_through_a_link(
+    argv: list[str], world: dict[str, str], tmp_path: Path
+) -> None:
+    victim = tmp_path / "elsewhere.txt"
+    victim.write_text("precious\n")
+    for suffix in (".png", ".html"):
+        (tmp_path / f"fig{suffix}").symlink_to(victim)
+    assert main([a.format(**world, out=tmp_path / "fig") for a in argv]) == 0
+    assert victim.read_text() == "precious\n"
+    assert not (tmp_path / "fig.png").is_symlink() and (tmp_path / "fig.png").stat().st_size > 0
+
+
+def test_atomic_open_refuses_a_link_planted_at_its_temporary_name(tmp_path: Path) -> None:
+    from xmodlm.fileio import atomic_write_text
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    target = tmp_path / "out.txt"
+    tmp = target.with_name(f".out.txt.tmp{os.getpid()}-{threading.get_ident()}")
+    tmp.symlink_to(victim)
+    atomic_write_text(target, "new")
+    assert target.read_text() == "new" and victim.read_text() == "precious"

@@ -9,6 +9,12 @@ its directory, never kept elsewhere:
 * ``failure.json``: failed ``attempts`` times; retried until ``max_retries``;
 * anything else: pending, or interrupted (then ``xmod train`` resumes it).
 
+SIGINT and SIGTERM stop a sweep in one go (:class:`SweepStop`): the signal is
+forwarded to every running ``xmod train`` / ``xmod eval`` child, each child writes
+its checkpoint and exits, those runs are recorded as interrupted (not failed: no
+``failure.json``, a rerun resumes them), no queued run starts, and the sweep exits
+with 128 + the signal's number (130 or 143).
+
 Executors hand runs to an engine and do no scheduling of their own:
 
 * ``local``: a process pool on this machine, cores shared between workers;
@@ -19,12 +25,15 @@ Executors hand runs to an engine and do no scheduling of their own:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -39,6 +48,91 @@ if TYPE_CHECKING:
     from xmodlm.config import Config
 
 ERROR_TAIL_LINES = 20
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+INTERRUPTED_CODES = frozenset({130, 143, -signal.SIGINT, -signal.SIGTERM})
+"""Exit statuses of a child stopped by SIGINT or SIGTERM: ``xmod`` says 130 (it
+caught the signal and checkpointed), a process killed before it could catch it
+says minus the signal."""
+
+
+class SweepStop:
+    """The sweep's answer to SIGINT and SIGTERM: remember the signal, pass it on.
+
+    Every child process a job starts is adopted here while it runs. A signal sets
+    :attr:`signum` (no queued run starts after it) and is forwarded to each child,
+    which checkpoints and exits; a child adopted after the signal gets it at once,
+    so none starts training into a stopped sweep.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._children: set[subprocess.Popen[Any]] = set()
+        self._lock = threading.Lock()
+
+    def stop(self, signum: int) -> None:
+        """Stop the sweep: remember ``signum`` and forward it to every running child."""
+        with self._lock:
+            self.signum = signum
+            children = list(self._children)
+        for child in children:
+            _signal_child(child, signum)
+
+    def adopt(self, child: subprocess.Popen[Any]) -> None:
+        with self._lock:
+            self._children.add(child)
+            signum = self.signum
+        if signum is not None:
+            _signal_child(child, signum)
+
+    def release(self, child: subprocess.Popen[Any]) -> None:
+        with self._lock:
+            self._children.discard(child)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[SweepStop]:
+        """Handle SIGINT and SIGTERM with :meth:`stop` (main thread only; restored after)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+        for s in STOP_SIGNALS:
+            signal.signal(s, lambda signum, frame: self.stop(signum))
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def _signal_child(child: subprocess.Popen[Any], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+
+def _run_child(
+    cmd: list[str], env: dict[str, str], stop: SweepStop | None, **streams: Any
+) -> tuple[int, Any]:
+    """(exit status, captured stdout) of one child run to its end.
+
+    The child is adopted by ``stop`` while it runs, so a signal to the sweep
+    reaches it. Should this thread be interrupted instead (a cancelled Ray task),
+    the child is sent SIGINT and waited for: it is never orphaned, still training
+    under its run's lock.
+    """
+    with subprocess.Popen(cmd, env=env, **streams) as child:
+        if stop is not None:
+            stop.adopt(child)
+        try:
+            out, _ = child.communicate()
+        except BaseException:
+            _signal_child(child, signal.SIGINT)
+            child.wait()
+            raise
+        finally:
+            if stop is not None:
+                stop.release(child)
+    return child.returncode, out
 
 def check_options(executor: str, workers: int | None, max_retries: int) -> None:
     """Options of a sweep, checked before any run starts."""
@@ -86,10 +180,26 @@ def _failed(outcome: dict[str, Any], log: Path) -> dict[str, Any]:
     return {**outcome, "status": "failed", "error_tail": "\n".join(lines[-ERROR_TAIL_LINES:])}
 
 
-def run_job(job: Job) -> dict[str, Any]:
+def _interrupted(returncode: int, stop: SweepStop | None) -> bool:
+    """Whether a child that ended with ``returncode`` was stopped by a signal: its
+    exit status says so, or the sweep was stopping and the run left no summary."""
+    return returncode in INTERRUPTED_CODES or (
+        stop is not None and stop.signum is not None and returncode != 0
+    )
+
+
+def run_job(job: Job, stop: SweepStop | None = None) -> dict[str, Any]:
     """Train one run in a subprocess, then evaluate its final checkpoint if asked;
     return its outcome (never raises for run errors). A run already trained is only
-    evaluated (a sweep resumed after its evaluation was added, or had failed)."""
+    evaluated (a sweep resumed after its evaluation was added, or had failed).
+
+    ``stop``: the sweep's :class:`SweepStop`; once it is set no child starts, and a
+    child stopped by a signal makes the outcome ``interrupted`` (resumed by a rerun),
+    never ``failed``.
+    """
+    outcome: dict[str, Any] = {"run_id": job.run_id, "returncode": 0}
+    if stop is not None and stop.signum is not None:
+        return {**outcome, "status": "interrupted", "wall_s": 0.0}
     run = Path(job.run_dir)
     run.mkdir(parents=True, exist_ok=True)
     cfg_path = run / "sweep_config.yaml"
@@ -97,26 +207,30 @@ def run_job(job: Job) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": str(job.threads)}
     log_path = run / "train.log"
     t0 = time.time()
-    outcome: dict[str, Any] = {"run_id": job.run_id, "returncode": 0}
     if _trained_status(run) != "ok":
         cmd = [sys.executable, "-m", "xmodlm", "train", str(cfg_path), "--out", str(run), "--quiet",
                *(arg for item in job.run_set for arg in ("--set", item))]
         with open(log_path, "a") as log:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        outcome["returncode"] = proc.returncode
+            code, _ = _run_child(cmd, env, stop, stdout=log, stderr=subprocess.STDOUT)
+        outcome["returncode"] = code
         status = _trained_status(run)
-        if proc.returncode not in (0, 1) or status is None:
+        if status is None and _interrupted(code, stop):
+            return {**outcome, "status": "interrupted", "wall_s": time.time() - t0}
+        if code not in (0, 1) or status is None:
             return _failed({**outcome, "wall_s": time.time() - t0}, log_path)
     outcome["status"] = _trained_status(run)
     if job.eval_args and outcome["status"] == "ok" and not (run / EVAL_FILE).is_file():
         cmd = [sys.executable, "-m", "xmodlm", "eval", str(run), "--json", "--quiet",
                *job.eval_args]
         with open(log_path, "a") as log:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
-        if proc.returncode != 0:
-            return _failed({**outcome, "returncode": proc.returncode,
-                            "wall_s": time.time() - t0}, log_path)
-        atomic_write_text(run / EVAL_FILE, proc.stdout)
+            code, stdout = _run_child(cmd, env, stop, stdout=subprocess.PIPE, stderr=log,
+                                      text=True)
+        if code != 0 and _interrupted(code, stop):
+            return {**outcome, "returncode": code, "status": "interrupted",
+                    "wall_s": time.time() - t0}
+        if code != 0:
+            return _failed({**outcome, "returncode": code, "wall_s": time.time() - t0}, log_path)
+        atomic_write_text(run / EVAL_FILE, stdout)
     outcome["wall_s"] = time.time() - t0
     return outcome
 
@@ -296,6 +410,10 @@ def run_sweep(
     ``folder``, ``params``, ``local`` for slurm). Options and data directories are
     checked before any run starts. A diverged run is finished (rerunning it would
     diverge again) but counted apart.
+
+    SIGINT or SIGTERM (from the main thread's handlers, :class:`SweepStop`) stops the
+    sweep: running runs checkpoint and are counted ``interrupted``, queued runs do
+    not start, and ``signal`` in the result names the signal (else None).
     """
     check_options(executor, workers, max_retries)
     run_set = check_run_set(run_set, runs[0].cfg) if runs else ()
@@ -318,22 +436,34 @@ def run_sweep(
             costs[r.run_id] = float(r.compute)
     bar = Progress(len(runs), done, enabled=progress, costs=costs)
     outcomes: list[dict[str, Any]] = []
-    for outcome in engine.submit(todo, bar, threads):
-        outcomes.append(outcome)
-        run = out / "runs" / outcome["run_id"]
-        if outcome["status"] == "failed":
-            _, attempts = run_state(run, needs_eval=bool(eval_args))
-            atomic_write_json(run / "failure.json", {**outcome, "attempts": attempts + 1})
-        else:
-            (run / "failure.json").unlink(missing_ok=True)
-        bar.finished(outcome["run_id"], failed=outcome["status"] == "failed")
+    with SweepStop().installed() as stop:
+        for outcome in engine.submit(todo, bar, threads, stop):
+            outcomes.append(outcome)
+            _record(out / "runs" / outcome["run_id"], outcome, bool(eval_args), bar)
     bar.close()
-    return {"total": len(runs), "skipped": done, "ran": len(outcomes),
+    ran = [o for o in outcomes if o["status"] != "interrupted"]
+    return {"total": len(runs), "skipped": done, "ran": len(ran),
             "failed": sum(o["status"] == "failed" for o in outcomes),
-            "diverged": sum(o["status"] == "diverged" for o in outcomes), "outcomes": outcomes}
+            "diverged": sum(o["status"] == "diverged" for o in outcomes),
+            "interrupted": len(outcomes) - len(ran), "signal": stop.signum,
+            "not_started": len(todo) - len(outcomes), "outcomes": outcomes}
 
 
-Submit = Callable[[list[Job], Progress], Iterable[dict[str, Any]]]
+def _record(run: Path, outcome: dict[str, Any], needs_eval: bool, bar: Progress) -> None:
+    """Write what a run's outcome means into its directory: a failure is counted in
+    ``failure.json``; a finished run loses an old one; an interrupted run is left
+    as it is (pending: a rerun resumes it)."""
+    if outcome["status"] == "interrupted":
+        return
+    if outcome["status"] == "failed":
+        _, attempts = run_state(run, needs_eval=needs_eval)
+        atomic_write_json(run / "failure.json", {**outcome, "attempts": attempts + 1})
+    else:
+        (run / "failure.json").unlink(missing_ok=True)
+    bar.finished(outcome["run_id"], failed=outcome["status"] == "failed")
+
+
+Submit = Callable[[list[Job], Progress, int, SweepStop], Iterable[dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -342,8 +472,10 @@ class LocalExecutor:
 
     workers: int = 1
 
-    def submit(self, jobs: list[Job], bar: Progress, threads: int) -> Iterable[dict[str, Any]]:
-        return _run_local(jobs, bar, self.workers)
+    def submit(
+        self, jobs: list[Job], bar: Progress, threads: int, stop: SweepStop
+    ) -> Iterable[dict[str, Any]]:
+        return _run_local(jobs, bar, self.workers, stop)
 
 
 @dataclass(frozen=True)
@@ -352,8 +484,10 @@ class RayExecutor:
 
     address: str | None = None
 
-    def submit(self, jobs: list[Job], bar: Progress, threads: int) -> Iterable[dict[str, Any]]:
-        return _run_ray(jobs, bar, threads, self.address)
+    def submit(
+        self, jobs: list[Job], bar: Progress, threads: int, stop: SweepStop
+    ) -> Iterable[dict[str, Any]]:
+        return _run_ray(jobs, bar, threads, self.address, stop)
 
 
 @dataclass(frozen=True)
@@ -366,8 +500,10 @@ class SlurmExecutor:
     params: dict[str, Any] = field(default_factory=dict)
     local: bool = False
 
-    def submit(self, jobs: list[Job], bar: Progress, threads: int) -> Iterable[dict[str, Any]]:
-        return _run_slurm(jobs, bar, self.folder, self.params, self.local)
+    def submit(
+        self, jobs: list[Job], bar: Progress, threads: int, stop: SweepStop
+    ) -> Iterable[dict[str, Any]]:
+        return _run_slurm(jobs, bar, self.folder, self.params, self.local, stop)
 
 
 EXECUTORS: dict[str, type] = {"local": LocalExecutor, "ray": RayExecutor, "slurm": SlurmExecutor}
@@ -410,21 +546,33 @@ def parse_executor_options(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _run_local(jobs: list[Job], bar: Progress, workers: int) -> Iterable[dict[str, Any]]:
-    """A thread pool of subprocess launchers: each worker runs one `xmod train` at a time."""
+def _run_local(
+    jobs: list[Job], bar: Progress, workers: int, stop: SweepStop
+) -> Iterable[dict[str, Any]]:
+    """A thread pool of subprocess launchers: each worker runs one `xmod train` at a time.
+
+    Jobs are handed to the pool one free worker at a time, so after ``stop`` no
+    queued job is left in it to start.
+    """
+    queue = list(jobs)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        pending: set[Future[dict[str, Any]]] = {pool.submit(run_job, j) for j in jobs}
-        bar.update(min(workers, len(pending)))
-        while pending:
-            finished, pending = wait(pending, timeout=2.0, return_when=FIRST_COMPLETED)
-            bar.update(min(workers, len(pending)))
+        pending: set[Future[dict[str, Any]]] = set()
+        while queue or pending:
+            while queue and len(pending) < workers and stop.signum is None:
+                pending.add(pool.submit(run_job, queue.pop(0), stop))
+            if not pending:
+                break
+            bar.update(len(pending))
+            finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for fut in finished:
                 yield fut.result()
 
 
 def _run_ray(
-    jobs: list[Job], bar: Progress, threads: int, address: str | None
+    jobs: list[Job], bar: Progress, threads: int, address: str | None, stop: SweepStop
 ) -> Iterable[dict[str, Any]]:
+    """One Ray task per job. After ``stop`` every task left is cancelled (its child
+    is sent SIGINT by :func:`_run_child` and waited for) and counted interrupted."""
     try:
         import ray
     except ImportError:
@@ -434,12 +582,19 @@ def _run_ray(
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     try:
         remote = ray.remote(num_cpus=threads)(run_job)
-        refs = [remote.remote(j) for j in jobs]
-        while refs:
-            ready, refs = ray.wait(refs, num_returns=1, timeout=2.0)
+        ids = {remote.remote(j): j.run_id for j in jobs}
+        refs = list(ids)
+        while refs and stop.signum is None:
+            ready, refs = ray.wait(refs, num_returns=1, timeout=1.0)
             bar.update(len(refs))
             for ref in ready:
                 yield ray.get(ref)
+        for ref in refs:
+            ray.cancel(ref)
+        if refs:
+            ray.wait(refs, num_returns=len(refs))
+        for ref in refs:
+            yield {"run_id": ids[ref], "status": "interrupted", "returncode": None}
     finally:
         if started:
             ray.shutdown()
@@ -451,7 +606,10 @@ def _run_slurm(
     folder: str | None,
     params: dict[str, Any],
     local: bool,
+    stop: SweepStop,
 ) -> Iterable[dict[str, Any]]:
+    """One submitit job per run. After ``stop`` the jobs left are cancelled (Slurm
+    sends them SIGTERM) and counted interrupted."""
     try:
         import submitit
     except ImportError:
@@ -462,7 +620,7 @@ def _run_slurm(
     ex = submitit.LocalExecutor(folder=log_dir) if local else submitit.AutoExecutor(folder=log_dir)
     ex.update_parameters(**({"timeout_min": 60 * 24} | params))
     submitted = [ex.submit(run_job, j) for j in jobs]
-    while submitted:
+    while submitted and stop.signum is None:
         still = []
         for sj in submitted:
             if sj.done():
@@ -477,3 +635,7 @@ def _run_slurm(
         bar.update(len(submitted))
         if submitted:
             time.sleep(1.0)
+    for sj in submitted:
+        sj.cancel(check=False)
+        yield {"run_id": Path(sj.submission().args[0].run_dir).name, "status": "interrupted",
+               "returncode": None}
