@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -47,11 +49,11 @@ def test_export_writes_a_self_contained_directory(run_dir: Path, exported: Path)
                  "tokenizer_config.json", "generation_config.json"):
         assert (exported / name).is_file(), name
     config = json.loads((exported / "config.json").read_text())
-    assert config["model_type"] == "xmod" and config["format"] == "xmodlm-export"
+    assert config["model_type"] == "xmodlm" and config["format"] == "xmodlm-export"
     assert config["xmod"]["n_layers"] == 4 and config["layout"] == "DsDs"
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_xmod.XModForCausalLM"
-    assert config["routing_mode"] == "causal"
-    assert config["source"]["step"] == 2
+    assert config["threshold_rule"] == "calibrated" and config["use_cache"] is True
+    assert config["source"]["step"] == 2 and config["source"]["run"] == "run"
     assert not list(exported.glob("*.pt")) and not list(exported.glob("*.bin"))
 
 
@@ -148,3 +150,325 @@ def test_transformers_loads_export_and_generates_like_xmod(
     assert hf_new == want
     text = generate_from_run(run_dir, [PROMPT], max_new_tokens=n, temperature=0)[0]
     assert tok.decode([t for t in hf_new if t != tok.eot_id]) == text
+
+
+# --- the standalone transformers model ----------------------------------------------------
+
+
+def test_model_type_resolves_to_no_transformers_model(exported: Path) -> None:
+    """Without trust_remote_code the export must not load as some built-in model
+    (transformers' own X-MOD once took "xmod" and returned random weights)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from xmodlm.export import model_type
+
+    name = json.loads((exported / "config.json").read_text())["model_type"]
+    assert name == model_type() == "xmodlm"
+    assert name not in CONFIG_MAPPING_NAMES
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        transformers.AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=False)
+
+
+def test_modeling_file_imports_only_torch_transformers_and_stdlib(exported: Path) -> None:
+    import ast
+    import sys
+
+    tree = ast.parse((exported / "modeling_xmod.py").read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "a relative import does not travel with one file"
+            roots.add(node.module.split(".")[0])
+    assert "xmodlm" not in roots
+    assert roots - set(sys.stdlib_module_names) == {"torch", "transformers"}
+
+
+def test_modeling_file_runs_every_depth_router_kind() -> None:
+    """A new decision kind must be taught to the standalone file too."""
+    pytest.importorskip("transformers")
+    from xmodlm.hf import DECISIONS
+    from xmodlm.model.depth_routers import kinds
+
+    assert set(DECISIONS) == set(kinds())
+
+
+def _twin(model: torch.nn.Module, tokenizer_vocab: int | None = None) -> torch.nn.Module:
+    """The transformers model of ``model`` (same weights), built in-process."""
+    from types import SimpleNamespace
+
+    from xmodlm.config import Config
+    from xmodlm.export import export_config
+    from xmodlm.hf import XModConfig, XModForCausalLM
+
+    tok = SimpleNamespace(vocab_size=tokenizer_vocab or model.cfg.vocab_size, eot_id=0)
+    source = {"run": "r", "run_config_sha256": "0" * 64, "checkpoint": "c", "step": 0,
+              "config_name": "t"}
+    config = export_config(Config(model=model.cfg), tok, source)
+    twin = XModForCausalLM(XModConfig(**config)).eval()
+    twin.load_state_dict(model.state_dict(), strict=True)
+    return twin
+
+
+def _varied(**changes: object) -> torch.nn.Module:
+    """A random model whose sparse blocks route some tokens and skip others (weights
+    large enough that greedy decoding does not repeat one token), thresholds
+    calibrated as after training."""
+    from conftest import tiny_model_cfg
+    from xmodlm.model import Transformer
+
+    cfg = tiny_model_cfg(**{"layout": "DsDs", "capacity": 0.5, "stride": 2, **changes})
+    torch.manual_seed(1)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.25)
+        model.calibrate_thresholds_(torch.randint(0, cfg.vocab_size, (4, cfg.context)))
+    return model
+
+
+VARIANTS = {
+    "xmod": {},
+    "predictor": {"causal_router": "predictor"},
+    "logit-gate-half-rule": {"gating": "logit", "causal_threshold": "half"},
+    "sigmoid-gate": {"gating": "sigmoid"},
+    "moe": {"layout": "EsEs", "mlp": "moe", "n_experts": 4, "moe_top_k": 2},
+    "dense": {"layout": "DDDD", "capacity": 1.0, "stride": 1},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_standalone_model_equals_causal_forward_and_its_cache(variant: str) -> None:
+    pytest.importorskip("transformers")
+    model = _varied(**VARIANTS[variant])
+    hf = _twin(model)
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(idx, routing_mode="causal", return_stats=True)
+        full = hf(idx, use_cache=False).logits
+        assert torch.allclose(full, want.logits, atol=1e-5, rtol=0)
+        if "s" in model.layout:  # routing is exercised: some tokens taken, some skipped
+            used = want.stats["capacity_used"]
+            assert all(0.0 < u < 1.0 for u in used), used
+        # prefill 7 tokens, then one at a time through the cache
+        out = hf(idx[:, :7], use_cache=True)
+        steps, cache = [out.logits], out.cache
+        for t in range(7, 20):
+            out = hf(idx[:, t : t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits)
+        assert torch.allclose(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-4)
+    per_layer = cache.tokens_per_layer()
+    for letter, held in zip(model.layout, per_layer, strict=True):
+        if letter == "s":  # a sparse layer holds only the tokens it routed
+            assert 0 < held < 2 * 20
+        else:
+            assert held == 2 * 20
+
+
+def test_padded_rows_compute_what_each_row_computes_alone() -> None:
+    pytest.importorskip("transformers")
+    model = _varied()
+    hf = _twin(model)
+    gen = torch.Generator().manual_seed(4)
+    rows = [torch.randint(1, 97, (n,), generator=gen) for n in (12, 5, 9)]
+    T = 12
+    ids = torch.zeros(3, T, dtype=torch.long)
+    mask = torch.zeros(3, T, dtype=torch.long)
+    for b, r in enumerate(rows):  # left padding, pad id 0
+        ids[b, T - len(r):], mask[b, T - len(r):] = r, 1
+    with torch.no_grad():
+        batch = hf(ids, attention_mask=mask, use_cache=False).logits
+        for b, r in enumerate(rows):
+            alone = model(r[None], routing_mode="causal").logits[0]
+            assert torch.allclose(batch[b, T - len(r):], alone, atol=1e-5, rtol=0), b
+
+
+def test_generate_with_cache_and_padding_equals_xmod_generate() -> None:
+    pytest.importorskip("transformers")
+    model = _varied()
+    hf = _twin(model, tokenizer_vocab=90)
+    prompts = [[5, 17, 33, 2, 60, 8], [41], [70, 3, 3, 12]]
+    n = 12
+    want = generate(model, prompts, n, temperature=0, vocab_limit=90)
+    assert len({tuple(w) for w in want}) == 3 and all(len(set(w)) > 2 for w in want)
+    T = max(map(len, prompts))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    for use_cache in (True, False):
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                          do_sample=False, use_cache=use_cache, pad_token_id=0, eos_token_id=None)
+        assert out[:, T:].tolist() == want, use_cache
+
+
+def test_save_pretrained_round_trip_and_dtype(
+    exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    transformers = pytest.importorskip("transformers")
+    auto = transformers.AutoModelForCausalLM
+    hf = auto.from_pretrained(exported, trust_remote_code=True)
+    assert hf.config.use_cache is True
+    hf.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "modeling_xmod.py").is_file()
+    again = auto.from_pretrained(tmp_path / "saved", trust_remote_code=True)
+    idx = torch.tensor([[5, 9, 14, 2, 77, 31]])
+    with torch.no_grad():
+        assert torch.equal(again(idx).logits, hf(idx).logits)
+        half = auto.from_pretrained(tmp_path / "saved", trust_remote_code=True,
+                                    dtype=torch.bfloat16)
+        assert half.head.weight.dtype == torch.bfloat16
+        router = half.blocks[1].router  # decisions stay fp32: thresholds are not rounded
+        assert router.weight.dtype == router.threshold.dtype == torch.float32
+        assert router.threshold.item() == hf.blocks[1].router.threshold.item()
+        V = hf.config.tokenizer_vocab_size
+        assert torch.allclose(half(idx).logits[..., :V], hf(idx).logits[..., :V], atol=0.1)
+
+
+def test_export_dtype_writes_half_weights_that_load_back(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors import safe_open
+
+    out = tmp_path / "bf16"
+    assert main(["export", str(run_dir), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        dtypes = {k: f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118
+    assert dtypes["head.weight"] == dtypes["blocks.0.block.attn.qkv.weight"] == torch.bfloat16
+    assert dtypes["blocks.1.router.weight"] == dtypes["blocks.1.router.threshold"] == torch.float32
+    model, _ = xmodlm.load_pretrained(out)  # xmod-lm reads it too
+    assert model.embed.weight.dtype == torch.float32
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True,
+                                                           dtype="auto")
+    assert hf.embed.weight.dtype == torch.bfloat16
+
+
+def test_model_card_is_written_from_the_run_record(run_dir: Path, exported: Path) -> None:
+    card = (exported / "README.md").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for heading in ("## Architecture", "## Routing", "## Training data", "## Losses",
+                    "## Evaluation", "trust_remote_code=True"):
+        assert heading in card, heading
+    assert "`DsDs`" in card and "`variance_scaled`" in card and "`calibrated`" in card
+    assert f"{summary['final_val_loss']:.4g}" in card
+    assert f"{summary['tokens']:,}" in card
+    model, _ = xmodlm.load_pretrained(run_dir)
+    for block in model.routed_blocks():
+        assert f"{float(block.router.threshold):.4g}" in card
+    assert "doc" not in card or "src" in card  # the corpus is named from its manifest
+    assert str(run_dir) not in card and str(run_dir.parent) not in card
+
+
+# --- export safety ---------------------------------------------------------------------
+
+
+def _one_line_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_export_refuses_a_folder_holding_something_else(
+    run_dir: Path, exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "llama"}')
+    (other / "model.safetensors").write_bytes(b"another model")
+    err = _one_line_exit_2(["export", str(run_dir), "--out", str(other)], capsys)
+    assert "not an xmod export" in err and "--force" in err
+    assert (other / "model.safetensors").read_bytes() == b"another model"
+    # an export of another run (its config differs) is refused too
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    for f in exported.iterdir():
+        (foreign / f.name).write_bytes(f.read_bytes())
+    config = json.loads((foreign / "config.json").read_text())
+    config["source"]["run_config_sha256"] = "f" * 64
+    (foreign / "config.json").write_text(json.dumps(config))
+    weights = (foreign / "model.safetensors").read_bytes()
+    err = _one_line_exit_2(["export", str(run_dir), "--out", str(foreign)], capsys)
+    assert "another run" in err
+    assert (foreign / "model.safetensors").read_bytes() == weights
+    # the same run again is fine; --force writes over anything
+    assert main(["export", str(run_dir), "--out", str(exported)]) == 0
+    assert main(["export", str(run_dir), "--out", str(other), "--force"]) == 0
+    assert xmodlm.load_pretrained(other)[0] is not None
+
+
+def test_export_never_writes_through_a_symlink(
+    run_dir: Path, exported: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "linked"
+    out.mkdir()
+    for f in exported.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    targets = {}
+    for name in ("tokenizer.json", "modeling_xmod.py", "model.safetensors"):
+        target = outside / name
+        target.write_text(f"keep {name}")
+        (out / name).unlink()
+        (out / name).symlink_to(target)
+        targets[name] = target
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    for name, target in targets.items():
+        assert target.read_text() == f"keep {name}", name
+        assert not (out / name).is_symlink() and (out / name).stat().st_size > 20
+    xmodlm.load_pretrained(out)
+
+
+def test_export_config_has_no_path_and_files_have_plain_modes(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "modes"
+    old = os.umask(0o022)
+    try:
+        assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    finally:
+        os.umask(old)
+    text = (out / "config.json").read_text()
+    assert str(run_dir.parent) not in text and str(tmp_path) not in text
+
+    def strings(value: object) -> list[str]:
+        if isinstance(value, dict):
+            return [s for v in value.values() for s in strings(v)]
+        if isinstance(value, list):
+            return [s for v in value for s in strings(v)]
+        return [value] if isinstance(value, str) else []
+
+    assert not [s for s in strings(json.loads(text)) if s.startswith("/")]
+    files = sorted(out.iterdir())
+    assert [f.name for f in files if f.name.startswith(".")] == []  # no temporary left
+    for f in files:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f.name
+
+
+def test_export_on_a_full_disk_is_one_line_and_keeps_the_old_export(
+    run_dir: Path, exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    out = tmp_path / "full"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+
+    def no_space(tensors: object, filename: str, metadata: object = None) -> None:
+        Path(filename).write_bytes(b"half a fi")
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", no_space)
+    err = _one_line_exit_2(["export", str(run_dir), "--out", str(out)], capsys)
+    assert "No space left on device" in err and "full" in err
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before

@@ -252,7 +252,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_out_dir(args.out)
     summary = train(cfg, args.out, progress=not args.quiet, restart=args.restart,
                     force=args.force)
-    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports, others have no eval
+    if os.environ.get("RANK", "0").strip() not in ("", "0"):  # torchrun: rank 0 reports
         return {"ok": 0, "interrupted": 130}.get(summary["status"], 1)
     if args.json:
         _print_json(summary)
@@ -410,7 +410,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from xmodlm.export import export_run
 
     out = _check_out_dir(args.out)
-    config = export_run(args.run_dir, out, step=args.step)
+    config = export_run(args.run_dir, out, step=args.step, dtype=args.dtype, force=args.force)
     if args.json:
         _print_json({"out": str(out), **config})
     else:
@@ -789,6 +789,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--out", required=True, help="directory to write the exported model into")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default newest)")
+    p.add_argument("--dtype", default="float32",
+                   help="dtype of the exported weights: float32 (default), bfloat16 or float16;"
+                        " routers and thresholds stay float32")
+    p.add_argument("--force", action="store_true",
+                   help="write into --out even when it holds something other than an export"
+                        " of this run")
     p.add_argument("--json", action="store_true", help="print the written config.json")
     p.set_defaults(func=cmd_export)
 

@@ -2,16 +2,26 @@
 
 An exported directory is self-contained and holds no pickles::
 
-    model.safetensors       the weights (tied embeddings stored as two tensors)
-    config.json             the resolved model config (key ``xmod``), what a loader
-                            needs (tokenizer vocabulary, end-of-text id, context) and
-                            the Hugging Face fields (``model_type``, ``auto_map``)
+    model.safetensors       the weights (tied embeddings stored as two tensors), in
+                            ``--dtype``; routers and thresholds always fp32
+    config.json             the Hugging Face config (``model_type`` xmodlm, the
+                            resolved architecture, ``auto_map``), xmod-lm's model
+                            config (key ``xmod``) and where it came from (the run's
+                            folder name and config hash, never a path)
     tokenizer.json          the run's byte-level BPE tokenizer
     tokenizer_config.json   so ``transformers.AutoTokenizer`` reads it too
-    generation_config.json  end-of-text id, greedy, no cache
-    modeling_xmod.py        the ``transformers`` wrapper (a copy of :mod:`xmodlm.hf`),
-                            for ``AutoModelForCausalLM.from_pretrained(DIR,
-                            trust_remote_code=True)``; it imports ``xmodlm``
+    generation_config.json  end-of-text id, greedy, with the cache
+    modeling_xmod.py        the model for ``transformers`` (:mod:`xmodlm.hf`): it needs
+                            only torch and transformers, so a copy on a hub loads
+                            anywhere with ``trust_remote_code=True``
+    README.md               the model card (:mod:`xmodlm.model_card`)
+
+Writing never loses data: ``--out`` must be empty, new, or an export of the same
+run (``--force`` writes over anything else); every file is written to a new
+temporary file and renamed into place, so a crash leaves the old file or the new
+one, a symlink in the folder is replaced rather than followed, and files get the
+mode a plain ``open`` gives. ``config.json`` is written last: its presence marks a
+whole export.
 
 :func:`load_pretrained` reads either an exported directory or a training run
 directory, through the same safetensors loader the trainer uses
@@ -21,9 +31,11 @@ unpickles.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
-import shutil
+import os
+import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -35,15 +47,17 @@ from xmodlm.data.tokenizer import EOT, Tokenizer
 from xmodlm.errors import UserError
 
 FORMAT = "xmodlm-export"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the standalone modeling file and its config fields
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 MODELING_FILE = "modeling_xmod.py"
+CARD_FILE = "README.md"
 AUTO_MAP = {
     "AutoConfig": "modeling_xmod.XModConfig",
     "AutoModelForCausalLM": "modeling_xmod.XModForCausalLM",
 }
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def is_exported(path: str | Path) -> bool:
@@ -53,54 +67,97 @@ def is_exported(path: str | Path) -> bool:
         return False
     try:
         return json.loads(cfg.read_text(encoding="utf-8")).get("format") == FORMAT
-    except (ValueError, UnicodeDecodeError, AttributeError):
+    except (ValueError, UnicodeDecodeError, AttributeError, OSError):
         return False
 
 
-def export_config(cfg: Config, tokenizer: Tokenizer, source: dict[str, Any]) -> dict[str, Any]:
-    """The ``config.json`` of an export: Hugging Face fields plus ``xmod`` (the model config)."""
+def modeling_source() -> str:
+    """The text of the standalone modeling file an export carries (:mod:`xmodlm.hf`)."""
+    return resources.files("xmodlm").joinpath("hf.py").read_text(encoding="utf-8")
+
+
+def model_type() -> str:
+    """The ``model_type`` the modeling file declares (read from its source, so that
+    exporting needs no ``transformers``)."""
+    for node in ast.parse(modeling_source()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "MODEL_TYPE" for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    raise AssertionError("xmodlm/hf.py declares no MODEL_TYPE")
+
+
+def export_config(
+    cfg: Config, tokenizer: Tokenizer, source: dict[str, Any], dtype: str = "float32"
+) -> dict[str, Any]:
+    """The ``config.json`` of an export: the fields :class:`xmodlm.hf.XModConfig`
+    reads (the architecture resolved here, so the modeling file derives nothing),
+    ``xmod`` (the model config, for :func:`load_pretrained`) and the source."""
     from xmodlm import __version__
+    from xmodlm.model.depth_routers import make_kind
 
     m = cfg.model
+    kind = make_kind(m.causal_router, m.d_model)
     return {
-        "model_type": "xmod",
+        "model_type": model_type(),
         "architectures": ["XModForCausalLM"],
         "auto_map": dict(AUTO_MAP),
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "xmodlm_version": __version__,
-        "xmod": dataclasses.asdict(m),
-        "routing_mode": "causal",
         "vocab_size": m.vocab_size,
         "tokenizer_vocab_size": tokenizer.vocab_size,
         "hidden_size": m.d_model,
         "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads,
+        "intermediate_size": m.ffn_dim,
         "max_position_embeddings": m.context,
         "layout": m.block_layout,
+        "capacity": m.capacity,
+        "gating": m.gating,
+        "decision": m.causal_router,
+        "decision_hidden": getattr(kind, "hidden", 0),
+        "threshold_rule": m.causal_threshold,
+        "num_experts": m.n_experts,
+        "num_experts_per_tok": m.moe_top_k,
+        "expert_intermediate_size": m.expert_dim,
+        "rope_theta": m.rope_theta,
+        "rms_norm_eps": m.norm_eps,
+        "initializer_range": m.init_std,
         "eos_token_id": tokenizer.eot_id,
         "bos_token_id": tokenizer.eot_id,
         "pad_token_id": tokenizer.eot_id,
         "tie_word_embeddings": False,  # two tensors in the file; xmodlm re-ties on load
-        "use_cache": False,
-        "torch_dtype": "float32",
+        "use_cache": True,
+        "dtype": dtype,
+        "xmod": dataclasses.asdict(m),
         "source": source,
     }
 
 
 def export_run(
-    run_dir: str | Path, out: str | Path, step: int | None = None
+    run_dir: str | Path,
+    out: str | Path,
+    step: int | None = None,
+    dtype: str = "float32",
+    force: bool = False,
 ) -> dict[str, Any]:
-    """``xmod export RUN --out DIR``: write a run's newest loadable checkpoint (or ``step``)
-    as an exported directory. Returns the config written (``config.json``)."""
-    from safetensors.torch import save_file
+    """``xmod export RUN --out DIR``: write a run's newest loadable checkpoint (or
+    ``step``) as an exported directory, weights in ``dtype``. Returns the config
+    written (``config.json``).
 
-    from xmodlm.fileio import atomic_write_json
-    from xmodlm.train.checkpoint import _untie, load_run, tokenizer_path
+    Refuses (:class:`UserError`) an ``out`` that holds anything but an export of
+    this same run, unless ``force``; a full disk or a read-only folder is a
+    :class:`UserError` too, and leaves every file there whole.
+    """
+    from xmodlm.fileio import sha256_file
+    from xmodlm.train.checkpoint import load_run, tokenizer_path
 
     run = Path(run_dir)
     if is_exported(run):
         raise UserError(f"{str(run)!r} is already an exported directory: copy it instead")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     cfg, model, ckpt = load_run(run, "cpu", step=step)
     tok_file = tokenizer_path(run)
     tokenizer = Tokenizer.load(tok_file)
@@ -112,29 +169,105 @@ def export_run(
     dest = Path(out)
     if dest.resolve() == run.resolve():
         raise UserError(f"--out {str(dest)!r} is the run directory: give a new directory")
-    dest.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    tmp = dest / f".{WEIGHTS_FILE}.tmp"
-    save_file(_untie(weights), str(tmp), metadata={"format": "pt"})
-    tmp.replace(dest / WEIGHTS_FILE)
-    shutil.copyfile(tok_file, dest / TOKENIZER_FILE)
-    atomic_write_json(dest / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOT, "bos_token": EOT, "pad_token": EOT, "unk_token": None,
-        "model_max_length": cfg.model.context,
-        "clean_up_tokenization_spaces": False,
-    })
-    atomic_write_json(dest / "generation_config.json", {
-        "eos_token_id": tokenizer.eot_id, "bos_token_id": tokenizer.eot_id,
-        "pad_token_id": tokenizer.eot_id, "do_sample": False, "use_cache": False,
-    })
-    modeling = resources.files("xmodlm").joinpath("hf.py").read_text(encoding="utf-8")
-    (dest / MODELING_FILE).write_text(modeling, encoding="utf-8")
-    source = {"run_dir": str(run), "checkpoint": ckpt.name, "step": int(ckpt.name.split("_")[1]),
+    source = {"run": run.resolve().name, "run_config_sha256": sha256_file(run / "config.yaml"),
+              "checkpoint": ckpt.name, "step": int(ckpt.name.split("_")[1]),
               "config_name": cfg.name}
-    config = export_config(cfg, tokenizer, source)
-    atomic_write_json(dest / CONFIG_FILE, config)  # last: its presence marks a whole export
+    _check_destination(dest, source, force)
+    config = export_config(cfg, tokenizer, source, dtype)
+    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        _write_weights(dest / WEIGHTS_FILE, _in_dtype(weights, DTYPES[dtype]))
+        _write(dest / TOKENIZER_FILE, tok_file.read_bytes())
+        _write_json(dest / "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": EOT, "bos_token": EOT, "pad_token": EOT, "unk_token": None,
+            "model_max_length": cfg.model.context,
+            "clean_up_tokenization_spaces": False,
+        })
+        _write_json(dest / "generation_config.json", {
+            "eos_token_id": tokenizer.eot_id, "bos_token_id": tokenizer.eot_id,
+            "pad_token_id": tokenizer.eot_id, "do_sample": False, "use_cache": True,
+        })
+        _write(dest / MODELING_FILE, modeling_source().encode("utf-8"))
+        from xmodlm.model_card import model_card
+
+        _write(dest / CARD_FILE, model_card(run, cfg, model, config).encode("utf-8"))
+        _write_json(dest / CONFIG_FILE, config)  # last: its presence marks a whole export
+    except OSError as err:
+        raise UserError(f"cannot write the export to {str(dest)!r}: {err}") from None
     return config
+
+
+def _check_destination(dest: Path, source: dict[str, Any], force: bool) -> None:
+    """``dest`` may be new, empty or an export of the run ``source`` names; with
+    ``force``, anything (its files of our names are replaced, others stay)."""
+    if dest.is_symlink() and not dest.exists():
+        raise UserError(f"--out {str(dest)!r} is a broken symlink")
+    if not dest.exists() or force:
+        return
+    if not dest.is_dir():
+        raise UserError(f"--out {str(dest)!r} is a file, not a directory")
+    if not any(dest.iterdir()):
+        return
+    hint = "give a new or empty directory, or --force to write over it"
+    if not is_exported(dest):
+        raise UserError(f"--out {str(dest)!r} holds files that are not an xmod export: {hint}")
+    theirs = json.loads((dest / CONFIG_FILE).read_text(encoding="utf-8")).get("source") or {}
+    if theirs.get("run_config_sha256") != source["run_config_sha256"]:
+        raise UserError(
+            f"--out {str(dest)!r} holds an export of another run"
+            f" ({theirs.get('run', 'unknown')!r}): {hint}"
+        )
+
+
+def _in_dtype(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating weights in ``dtype``, except what routing decides with (router
+    weights, decision heads, thresholds): those stay fp32, as the model computes them."""
+    return {
+        k: v.to(dtype) if v.is_floating_point() and ".router." not in k else v
+        for k, v in weights.items()
+    }
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Atomically replace ``path`` (a symlink there is replaced, never followed)."""
+    from xmodlm.fileio import atomic_open
+
+    with atomic_open(path, "wb") as handle:
+        handle.write(data)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _write(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
+
+
+def _write_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
+    """safetensors straight to a new temporary file beside ``path`` (no copy of the
+    weights in memory), then the mode ``open`` gives, fsync and rename. safetensors
+    reports a full disk as its own error, not an OSError: made one here."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    from xmodlm.fileio import fsync_dir
+    from xmodlm.train.checkpoint import _untie, follow_umask
+
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        save_file(_untie(weights), str(tmp), metadata={"format": "pt"})
+        follow_umask(tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except SafetensorError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"{path}: {err}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def _read_export_config(path: Path) -> tuple[dict[str, Any], ModelConfig]:

@@ -1,163 +1,524 @@
-"""Hugging Face ``transformers`` wrapper of an exported X-MoD model (the ``hf`` extra).
+"""An exported xmod-lm model for Hugging Face ``transformers``: needs ``torch`` and
+``transformers`` only.
 
 ``xmod export RUN --out DIR`` copies this file into DIR as ``modeling_xmod.py`` and
-names its classes in ``config.json`` (``auto_map``), so that, offline::
+names its classes in ``config.json`` (``auto_map``), so that anywhere, xmod-lm
+installed or not::
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
-    tok = AutoTokenizer.from_pretrained(DIR)
-    out = model.generate(**tok("The whale", return_tensors="pt"), max_new_tokens=20,
-                         do_sample=False)
+    tok = AutoTokenizer.from_pretrained(DIR, padding_side="left")
+    batch = tok(["The whale", "A ship"], return_tensors="pt", padding=True)
+    out = model.generate(**batch, max_new_tokens=20, do_sample=False)
 
-The copy imports ``xmodlm`` (``pip install 'xmod-lm[hf]'``): the network is
-X-MoD's own :class:`xmodlm.model.Transformer`, loaded by
-:func:`xmodlm.load_pretrained` from ``model.safetensors`` (no pickles).
+It imports nothing of xmod-lm, so it restates the network X-MoD runs at
+inference (``Transformer.forward(routing_mode="causal")`` and the sparse KV cache
+of ``xmodlm.model.generate``), with the same parameter names, so that the
+exported ``model.safetensors`` loads into either. The tests hold the two to the
+same logits and the same greedy tokens; a change to the model's inference path
+changes this file too.
 
-**Routing.** The wrapper runs X-MoD's *causal* routing (``routing_mode="causal"``),
-the decision decoding uses: a sparse block processes a token iff its router says
-so from that token alone (its decision logit above the block's calibrated
-threshold, :mod:`xmodlm.model.depth_router`), never by top-k over the sequence, which would look at future tokens. Logits at position
-t therefore depend only on tokens up to t, and greedy ``generate`` gives the
-tokens ``xmod generate --temperature 0`` gives. Set ``config.routing_mode =
-"topk"`` to score whole sequences with training-time routing instead (not causal:
-do not generate with it).
+**Routing.** A sparse block processes a token iff the block's decision logit for
+that token (the router logit, or the ``predictor`` head's) exceeds the block's
+threshold: the calibrated ``threshold`` buffer under the ``calibrated`` rule,
+0 under ``half``. That decision reads the token alone, never the sequence
+(top-k routing would look at future tokens), so logits at position t depend on
+tokens up to t only, and a cached step computes what a full pass computes. A
+processed token's branch is scaled by the block's gate (``logit``, ``sigmoid``
+or ``variance_scaled``) and added to the stream; a skipped token passes
+unchanged. Router logits, decisions and gates are fp32 whatever the model dtype.
 
-Limits: no KV cache here (each generation step reruns the prefix; use
-``xmod generate`` or :func:`xmodlm.model.generate.generate` for the sparse KV
-cache), no padding (``attention_mask`` must be all ones: one prompt per call, or
-prompts of one length), at most ``max_position_embeddings`` tokens. Logits of ids
-past the tokenizer's vocabulary (a model vocabulary padded beyond it) are -inf, as
-``xmod generate`` never samples them.
+**Cache.** :class:`XModCache` keeps, for each block, the keys and values of the
+tokens that block processed, packed per sequence: every real token for a dense
+block, only the routed ones for a sparse block, so it fills at about c of a
+dense cache there. A decoding step skips a sparse block that no sequence routes.
+
+**Padding.** Rows may be padded (left padding, as ``generate`` wants): a
+padded position is never attended, routed or cached, and each sequence's
+positions count its real tokens from 0, so a padded row computes what it
+computes alone. Logits at padded positions are meaningless.
+
+Logits of ids past the tokenizer's vocabulary (a model vocabulary padded beyond
+it) are -inf, as ``xmod generate`` never samples them.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.utils import ModelOutput
 
-import xmodlm
-from xmodlm.config import Config
-from xmodlm.model import Transformer
+MODEL_TYPE = "xmodlm"
+DECISIONS = ("bce", "predictor")  # xmodlm.model.depth_routers kinds this file runs
+GATINGS = ("logit", "sigmoid", "variance_scaled")
+NEUTRAL_GAMMA = 2.0  # gamma * sigmoid(0) = 1
+# bf16 attention over at most this many keys runs in fp32 on a CPU, as xmod-lm's does
+CPU_FP32_ATTENTION_MAX_KEYS = 128
 
 
 class XModConfig(PretrainedConfig):
-    """``config.json`` of an export: ``xmod`` holds the resolved X-MoD model config."""
+    """``config.json`` of an export: the resolved architecture (layout, widths,
+    routing rule), the tokenizer's vocabulary, and xmod-lm's own config (``xmod``,
+    kept for ``xmodlm.load_pretrained``; unread here)."""
 
-    model_type = "xmod"
+    model_type = MODEL_TYPE
 
     def __init__(
         self,
-        xmod: dict[str, Any] | None = None,
-        routing_mode: str = "causal",
+        vocab_size: int = 4096,
+        hidden_size: int = 256,
+        num_attention_heads: int = 4,
+        intermediate_size: int = 704,
+        max_position_embeddings: int = 256,
+        layout: str = "DDDDDDDD",
+        gating: str = "variance_scaled",
+        decision: str = "bce",
+        decision_hidden: int = 0,
+        threshold_rule: str = "calibrated",
+        num_experts: int = 8,
+        num_experts_per_tok: int = 2,
+        expert_intermediate_size: int = 704,
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
         tokenizer_vocab_size: int | None = None,
+        use_cache: bool = True,
         **kwargs: Any,
     ) -> None:
-        self.xmod = dict(xmod or {})
-        self.routing_mode = routing_mode
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = len(layout)
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.max_position_embeddings = max_position_embeddings
+        self.layout = layout
+        self.gating = gating
+        self.decision = decision
+        self.decision_hidden = decision_hidden or max(1, hidden_size // 4)
+        self.threshold_rule = threshold_rule
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.expert_intermediate_size = expert_intermediate_size
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.initializer_range = initializer_range
         self.tokenizer_vocab_size = tokenizer_vocab_size
-        kwargs.setdefault("use_cache", False)
+        self.use_cache = use_cache
+        kwargs.pop("num_hidden_layers", None)  # the layout's length
+        kwargs.setdefault("tie_word_embeddings", False)  # the file holds both matrices
         super().__init__(**kwargs)
 
-    def model_config(self) -> Any:
-        """The :class:`xmodlm.config.ModelConfig` (validated)."""
-        return Config.from_dict({"model": self.xmod}, where="").validate().model
+
+# --- layers -----------------------------------------------------------------------------
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        inv = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * inv * self.weight.float()).to(x.dtype)
+
+
+def _rotary(
+    pos_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) at each token's own position, (B, T, head_dim): ``cos`` is (cos, cos)
+    and ``sin`` (-sin, sin) over the halves, so a rotation is x cos + roll(x) sin."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                             device=pos_BT.device) / head_dim))
+    angles = pos_BT.float().unsqueeze(-1) * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """SDPA over (B, H, T, K); ``mask``: True = may attend (replaces ``causal``)."""
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" \
+            and k.shape[-2] <= CPU_FP32_ATTENTION_MAX_KEYS:
+        return _attend(q.float(), k.float(), v.float(), mask, causal).to(q.dtype)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class _Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, d_model // n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(
+        self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None,
+        causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output, new keys, new values); ``past``: cached (keys, values) attended first."""
+        B, T, _ = x_BTD.shape
+        qkv = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim)
+        qk = qkv[:, :, :2].permute(2, 0, 3, 1, 4)  # (2, B, H, T, K)
+        c = cos.unsqueeze(1).unsqueeze(0).to(qkv.dtype)
+        s = sin.unsqueeze(1).unsqueeze(0).to(qkv.dtype)
+        rot = qk * c + qk.roll(self.head_dim // 2, -1) * s
+        q, k, v = rot[0], rot[1], qkv[:, :, 2].transpose(1, 2)
+        keys, values = (k, v) if past is None else (torch.cat((past[0], k), 2),
+                                                    torch.cat((past[1], v), 2))
+        y = _attend(q, keys, values, mask, causal)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1)), k, v
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=False)
+        self.down = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class _ExpertRouter(nn.Module):
+    def __init__(self, d_model: int, n_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+
+
+class _MoE(nn.Module):
+    """Token choice: each token's top-k experts by fp32 softmax, weights renormalised."""
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = _ExpertRouter(d_model, n_experts)
+        self.experts = nn.ModuleList(_SwiGLU(d_model, d_ff) for _ in range(n_experts))
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        probs = F.linear(x_ND.float(), self.router.weight.float()).softmax(-1)
+        weight_NK, expert_NK = probs.topk(self.top_k, dim=-1)
+        weight_NK = weight_NK / weight_NK.sum(-1, keepdim=True)
+        order = torch.argsort(expert_NK.flatten(), stable=True)
+        token_of, weight_of = order // self.top_k, weight_NK.flatten()[order]
+        counts = torch.bincount(expert_NK.flatten(), minlength=len(self.experts)).tolist()
+        outs = [expert(chunk) for expert, chunk in
+                zip(self.experts, x_ND[token_of].split(counts), strict=True) if chunk.shape[0]]
+        y = torch.cat(outs) * weight_of.unsqueeze(-1).to(outs[0].dtype)
+        return torch.zeros(B * T, D, dtype=y.dtype, device=y.device).index_add(
+            0, token_of, y).view(B, T, D)
+
+
+class _Block(nn.Module):
+    """Pre-norm attention then MLP; returns the branch f = block(x) - x."""
+
+    def __init__(self, config: XModConfig, moe: bool) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.norm1 = _RMSNorm(d, config.rms_norm_eps)
+        self.attn = _Attention(d, config.num_attention_heads)
+        self.norm2 = _RMSNorm(d, config.rms_norm_eps)
+        self.mlp = (_MoE(d, config.expert_intermediate_size, config.num_experts,
+                         config.num_experts_per_tok) if moe
+                    else _SwiGLU(d, config.intermediate_size))
+
+    def forward(self, x, cos, sin, past, mask, causal):  # noqa: ANN001, ANN201
+        h, k, v = self.attn(self.norm1(x), cos, sin, past, mask, causal)
+        return h + self.mlp(self.norm2(x + h)), k, v
+
+
+class _DepthRouter(nn.Module):
+    """A sparse block's router weight, decision head (``predictor``) and threshold."""
+
+    def __init__(self, config: XModConfig) -> None:
+        super().__init__()
+        if config.decision not in DECISIONS:
+            raise ValueError(f"decision {config.decision!r}: this file runs {DECISIONS}")
+        d, hidden = config.hidden_size, config.decision_hidden
+        self.decision, self.rule = config.decision, config.threshold_rule
+        self.weight = nn.Parameter(torch.empty(1, d))
+        if config.decision == "predictor":
+            self.head = nn.Sequential(nn.Linear(d, hidden), nn.SiLU(), nn.Linear(hidden, 1))
+        self.register_buffer("threshold", torch.zeros(1))
+        self.register_buffer("calibrated", torch.zeros(1, dtype=torch.bool))
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(router logits r, causal decision), both (B, T), r in fp32."""
+        r = torch.matmul(x_BTD.float(), self.weight.float().reshape(-1))
+        d = r if self.decision == "bce" else self.head(x_BTD.float()).squeeze(-1)
+        threshold = self.threshold.float() if self.rule == "calibrated" else 0.0
+        return r, d > threshold
+
+
+class _Layer(nn.Module):
+    """One letter of the layout: ``D`` dense, ``E`` MoE, ``s`` sparse (routed, gated)."""
+
+    def __init__(self, config: XModConfig, letter: str) -> None:
+        super().__init__()
+        self.block = _Block(config, moe=letter == "E")
+        self.sparse = letter == "s"
+        self.gating = config.gating
+        if self.sparse:
+            if config.gating not in GATINGS:
+                raise ValueError(f"gating {config.gating!r}: one of {GATINGS}")
+            self.router = _DepthRouter(config)
+            if config.gating == "variance_scaled":
+                self.gamma = nn.Parameter(torch.full((1,), NEUTRAL_GAMMA))
+
+    def gate(self, r: torch.Tensor) -> torch.Tensor:
+        if self.gating == "logit":
+            return r
+        return torch.sigmoid(r) * (self.gamma if self.gating == "variance_scaled" else 1.0)
+
+    def forward(
+        self, x_BTD: torch.Tensor, valid_BT: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, cache: _LayerCache | None,
+    ) -> torch.Tensor:
+        if not self.sparse:
+            sel_BT = valid_BT
+        else:
+            r_BT, decide_BT = self.router(x_BTD)
+            sel_BT = decide_BT & valid_BT
+            if not bool(sel_BT.any()):  # nothing routed: the stream passes unchanged
+                return x_BTD
+        past = None if cache is None else cache.kv()
+        mask, causal = _mask(sel_BT, cache, self.sparse)
+        f, k, v = self.block(x_BTD, cos, sin, past, mask, causal)
+        if cache is not None:
+            cache.append(k, v, sel_BT)
+        if not self.sparse:
+            return x_BTD + f
+        g_BT = self.gate(r_BT) * sel_BT
+        return x_BTD + (g_BT.unsqueeze(-1) * f).to(x_BTD.dtype)
+
+
+def _mask(
+    sel_BT: torch.Tensor, cache: _LayerCache | None, sparse: bool
+) -> tuple[torch.Tensor | None, bool]:
+    """(mask, causal) of the new queries: each sees every cached key of its row, the
+    new keys up to itself that the layer processes, and itself (so a skipped or
+    padded query's row is never empty; its output is discarded). The mask is
+    (B, 1, T, L + T); left out where plain causal attention (a dense layer on
+    unpadded tokens, nothing cached) or no mask at all (one query that sees every
+    key) computes the same."""
+    B, T = sel_BT.shape
+    width = 0 if cache is None else cache.width()
+    if not sparse and not width and bool(sel_BT.all()):
+        return None, True
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=sel_BT.device).tril()
+    eye_TT = torch.eye(T, dtype=torch.bool, device=sel_BT.device)
+    mask_BTL = (causal_TT & sel_BT.unsqueeze(1)) | eye_TT
+    if width:
+        cached_BTL = cache.valid().unsqueeze(1).expand(B, T, width)
+        mask_BTL = torch.cat((cached_BTL, mask_BTL), -1)
+    if bool(mask_BTL.all()):
+        return None, False
+    return mask_BTL.unsqueeze(1), False
+
+
+# --- cache ------------------------------------------------------------------------------
+
+
+class _LayerCache:
+    """One layer's keys and values of the tokens it processed, packed per sequence:
+    (B, H, capacity, K), ``length`` tokens held per row; capacity doubles when full."""
+
+    def __init__(self, batch: int) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.length = torch.zeros(batch, dtype=torch.long)
+        self.longest = 0
+
+    def width(self) -> int:
+        return self.longest
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.k is None or not self.longest:
+            return None
+        return self.k[:, :, : self.longest], self.v[:, :, : self.longest]
+
+    def valid(self) -> torch.Tensor:
+        slots = torch.arange(self.longest, device=self.length.device)
+        return slots.unsqueeze(0) < self.length.unsqueeze(1)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, sel_BT: torch.Tensor) -> None:
+        """Pack the selected new tokens' keys and values after each row's held ones."""
+        self.length = self.length.to(sel_BT.device)
+        n_B = sel_BT.sum(1)
+        need = int((self.length + n_B).max())
+        B, H, _, K = k.shape
+        if self.k is None or need > self.k.shape[2]:
+            cap = max(need, 2 * (0 if self.k is None else self.k.shape[2]), 8)
+            grown_k, grown_v = k.new_zeros(B, H, cap, K), v.new_zeros(B, H, cap, K)
+            if self.k is not None:
+                grown_k[:, :, : self.longest] = self.k[:, :, : self.longest]
+                grown_v[:, :, : self.longest] = self.v[:, :, : self.longest]
+            self.k, self.v = grown_k, grown_v
+        b_idx, t_idx = sel_BT.nonzero(as_tuple=True)
+        slot = self.length[b_idx] + (sel_BT.cumsum(1) - 1)[b_idx, t_idx]
+        self.k[b_idx, :, slot] = k[b_idx, :, t_idx]
+        self.v[b_idx, :, slot] = v[b_idx, :, t_idx]
+        self.length = self.length + n_B
+        self.longest = need
+
+    def tokens(self) -> int:
+        return int(self.length.sum())
+
+
+class XModCache:
+    """The sparse KV cache of a batch: one :class:`_LayerCache` per block, the real
+    tokens each row has seen (its next position) and the columns fed so far."""
+
+    def __init__(self, n_layers: int, batch: int) -> None:
+        self.layers = [_LayerCache(batch) for _ in range(n_layers)]
+        self.seen = torch.zeros(batch, dtype=torch.long)
+        self.fed = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns of ``input_ids`` already fed (padding included), as ``generate`` counts."""
+        return self.fed
+
+    def tokens_per_layer(self) -> list[int]:
+        """Tokens held per layer, summed over the batch: a sparse layer holds only its routed."""
+        return [layer.tokens() for layer in self.layers]
+
+
+# --- model ------------------------------------------------------------------------------
+
+
+@dataclass
+class XModOutput(ModelOutput):
+    """Loss, logits and the cache (under both names ``transformers`` has used)."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: XModCache | None = None
+    past_key_values: XModCache | None = None
 
 
 class XModForCausalLM(PreTrainedModel, GenerationMixin):
-    """An X-MoD :class:`~xmodlm.model.Transformer` behind the ``transformers`` causal-LM API.
+    """X-MoD behind the ``transformers`` causal-LM API, causal routing (module docstring).
 
-    Runs X-MoD's causal routing (see the module docstring); ``forward`` returns
-    ``logits`` (B, T, V) and, with ``labels``, the next-token cross-entropy
-    (labels are shifted inside, -100 ignored).
+    ``forward`` returns ``logits`` (B, T, V) in fp32 and, with ``labels``, the
+    next-token cross-entropy (shifted inside, -100 ignored).
     """
 
     config_class = XModConfig
-    base_model_prefix = "xmod"
+    base_model_prefix = "xmodlm"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = False
-    _no_split_modules: list[str] = []
+    _no_split_modules = ["_Layer"]
+    # routing decisions compare fp32 logits with fp32 thresholds, whatever the dtype
+    _keep_in_fp32_modules_strict = ["router.weight", "router.threshold", "router.head"]
 
     def __init__(self, config: XModConfig) -> None:
         super().__init__(config)
-        self.xmod = Transformer(config.model_config())
+        d = config.hidden_size
+        self.embed = nn.Embedding(config.vocab_size, d)
+        self.blocks = nn.ModuleList(_Layer(config, letter) for letter in config.layout)
+        self.norm = _RMSNorm(d, config.rms_norm_eps)
+        self.head = nn.Linear(d, config.vocab_size, bias=False)
         self.post_init()
 
-    def _init_weights(self, module: torch.nn.Module) -> None:
-        """The X-MoD model initialises itself; loading replaces the weights anyway."""
-
-    def get_input_embeddings(self) -> torch.nn.Module:
-        return self.xmod.embed
-
-    def get_output_embeddings(self) -> torch.nn.Module:
-        return self.xmod.head
-
     @classmethod
-    def from_pretrained(
-        cls, pretrained_model_name_or_path: str | Path, *args: Any, **kwargs: Any
-    ) -> XModForCausalLM:
-        """Load an ``xmod export`` directory (or a training run directory) through
-        :func:`xmodlm.load_pretrained`; ``dtype``/``torch_dtype`` and a one-device
-        ``device_map`` are honoured, other loading options do not apply."""
-        path = Path(pretrained_model_name_or_path)
-        config = kwargs.get("config")
-        if not isinstance(config, PretrainedConfig):
-            config = cls.config_class.from_pretrained(path)
-        net, _ = xmodlm.load_pretrained(path)
-        model = cls(config)
-        model.xmod = net  # after post_init: nothing re-initialises the loaded weights
-        gen_file = path / "generation_config.json"
-        if gen_file.is_file():
-            model.generation_config = GenerationConfig.from_pretrained(path)
-        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-        if isinstance(dtype, str) and dtype != "auto":
-            dtype = getattr(torch, dtype)
-        if isinstance(dtype, torch.dtype):
-            model = model.to(dtype)
-        device = kwargs.get("device_map")
-        if isinstance(device, (str, torch.device)) and str(device) != "auto":
-            model = model.to(device)
-        return model.eval()
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """No ``DynamicCache``: ``forward`` makes its own :class:`XModCache`."""
+        return False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Plain init for a model built from its config (xmod-lm trains it; loading
+        replaces every weight): normal matrices, unit norms, neutral gates."""
+        std = self.config.initializer_range
+        for name, p in module.named_parameters(recurse=False):
+            if getattr(p, "_is_hf_initialized", False):
+                continue
+            if name == "gamma":
+                p.fill_(NEUTRAL_GAMMA)
+            elif isinstance(module, _RMSNorm):
+                p.fill_(1.0)
+            elif p.dim() >= 2:
+                p.normal_(0.0, std)
+            else:
+                p.zero_()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
 
     def forward(
         self,
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
+        cache: XModCache | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
+    ) -> XModOutput:
+        """``attention_mask``: 0 on padding, over the cached columns and the new ones
+        (as ``generate`` passes it) or the new ones only. Positions are counted per
+        row from its real tokens; ``position_ids`` are not read."""
+        B, T = input_ids.shape
+        device = input_ids.device
+        cache = next((c for c in (cache, past_key_values) if isinstance(c, XModCache)), None)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if cache is None and use_cache:
+            cache = XModCache(len(self.blocks), B)
+        valid_BT = torch.ones(B, T, dtype=torch.bool, device=device)
+        if attention_mask is not None:
+            valid_BT = attention_mask[:, -T:].to(device=device, dtype=torch.bool)
+        seen_B = torch.zeros(B, dtype=torch.long, device=device) if cache is None \
+            else cache.seen.to(device)
+        pos_BT = (seen_B.unsqueeze(1) + valid_BT.long().cumsum(1) - 1).clamp_min(0)
+        context = self.config.max_position_embeddings
+        if int(pos_BT.max()) >= context:
             raise ValueError(
-                "XModForCausalLM does not support padding (attention_mask has zeros):"
-                " pass one prompt at a time, or prompts of one length"
-            )
-        context = self.xmod.cfg.context
-        if input_ids.shape[1] > context:
-            raise ValueError(
-                f"{input_ids.shape[1]} tokens exceed the model's context of {context}"
+                f"{int(pos_BT.max()) + 1} tokens exceed the model's context of {context}"
                 " (max_position_embeddings): shorten the prompt or max_new_tokens"
             )
-        out = self.xmod(input_ids, routing_mode=self.config.routing_mode)
-        logits = out.logits.float()
+        x = self.embed(input_ids)
+        cos, sin = _rotary(pos_BT, self.config.hidden_size // self.config.num_attention_heads,
+                           self.config.rope_theta, x.dtype)
+        for i, layer in enumerate(self.blocks):
+            x = layer(x, valid_BT, cos, sin, None if cache is None else cache.layers[i])
+        logits = self.head(self.norm(x)).float()
         limit = self.config.tokenizer_vocab_size
         if limit is not None and limit < logits.shape[-1]:
             logits[..., limit:] = float("-inf")
+        if cache is not None:
+            cache.seen = seen_B + valid_BT.sum(1)
+            cache.fed += T
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]).clamp_min(-1e4),
-                labels[:, 1:].reshape(-1),
-                ignore_index=-100,
+                labels[:, 1:].reshape(-1).to(device), ignore_index=-100,
             )
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        kept = cache if use_cache else None
+        return XModOutput(loss=loss, logits=logits, cache=kept, past_key_values=kept)
 
     def prepare_inputs_for_generation(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+        cache: Any = None, past_key_values: Any = None, use_cache: bool | None = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
-        """No cache: every step feeds the whole sequence (causal routing makes that exact)."""
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        """Feed the columns the cache has not seen (all of them without a cache)."""
+        cache = next((c for c in (cache, past_key_values) if isinstance(c, XModCache)), None)
+        if cache is not None:
+            input_ids = input_ids[:, cache.fed:]
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "cache": cache,
+                "use_cache": use_cache}
