@@ -8,6 +8,7 @@ permission), the run-directory lock, resume leftovers and the sweep's records.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -92,11 +93,32 @@ def world(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     for name, content in files.items():
         (root / name).write_bytes(content)
         w[name.replace(".", "_")] = str(root / name)
+    (root / "loop_a.yaml").write_text(f"base: {root / 'loop_b.yaml'}\n")
+    (root / "loop_b.yaml").write_text(f"base: {root / 'loop_a.yaml'}\n")
+    w["loop_a"] = str(root / "loop_a.yaml")
+    (root / "base_int.yaml").write_text("base: 5\n")
+    w["base_int"] = str(root / "base_int.yaml")
+    (root / "chain.yaml").write_text(f"base: {cfg}\nname: chained\n")  # cfg's base: xmod-tiny
+    w["chain"] = str(root / "chain.yaml")
     (root / "dir.yaml").mkdir()
     w["dir_yaml"] = str(root / "dir.yaml")
     table = root / "results.csv"
     table.write_text("params_active,tokens,val_loss\n1e6,1e8,3.0\n")
     w["table"] = str(table)
+    for name, cell in (("causal_na", "n/a"), ("causal_inf", "inf"), ("causal_neg", "-5"),
+                       ("causal_text", "low")):
+        (root / f"{name}.csv").write_text(
+            "params_active,tokens,val_loss,val_loss_causal\n1e6,1e8,3.0,3.1\n"
+            f"2e6,1e8,2.9,{cell}\n")
+        w[name] = str(root / f"{name}.csv")
+    from importlib import resources
+
+    shipped = json.loads((resources.files("xmodlm") / "law" / "default_fit.json").read_text())
+    for name, value in (("fit_nan", float("nan")), ("fit_inf", float("inf"))):
+        broken = json.loads(json.dumps(shipped))
+        broken["dense"][0]["params"]["alpha"]["value"] = value
+        (root / f"{name}.json").write_text(json.dumps(broken))  # JSON admits NaN, Infinity
+        w[name] = str(root / f"{name}.json")
 
     # data directories: ids beyond the vocabulary, a corrupt manifest, a truncated split
     bad_ids = _copy_data(tiny_data_dir, root / "bad_ids")
@@ -146,6 +168,9 @@ def world(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         "spec_breaks_head": {"require": {"max_head_frac": 0.01}},
         "spec_breaks_epochs": {"require": {"max_epochs": 1e-6}},
         "spec_no_data": {"set": [f"data.dir={root / 'nowhere'}", "model.vocab_size=300"]},
+        "spec_vocab_below_data": {"set": [f"data.dir={tiny_data_dir}", "model.vocab_size=200",
+                                          "train.batch_size=4", "data.val_batches=1"]},
+        "spec_context_beyond_val": {"context": [8192], "compute": [2.0e12]},
         "spec_good": {},
     }
     for name, change in specs.items():
@@ -196,6 +221,8 @@ CASES: list[tuple[str, list[str], int]] = [
     ("info directory yaml", ["info", "{dir_yaml}"], 2),
     ("info unknown key", ["info", "{badkey_yaml}"], 2),
     ("info unknown base", ["info", "{badbase_yaml}"], 2),
+    ("info base chain loops", ["info", "{loop_a}"], 2),
+    ("info base not a name", ["info", "{base_int}"], 2),
     ("info section not mapping", ["info", "{badsection_yaml}"], 2),
     ("info no config", ["info"], 2),
     ("info unknown flag", ["info", "xmod-tiny", "--bogus"], 2),
@@ -215,6 +242,8 @@ CASES: list[tuple[str, list[str], int]] = [
     ("train no budget", [*T, "--set", "train.max_steps=0"], 2),
     ("train budget under a batch", [*T, "--set", "train.max_steps=0", "--set", "train.tokens=10"], 2),
     ("train model vocab below data", [*T, "--set", "model.vocab_size=100"], 2),
+    ("train vocabulary beyond memory", [*T, "--set", "model.vocab_size=2e9"], 2),
+    ("train width beyond memory", [*T, "--set", "model.d_model=1048576", "--set", "model.n_heads=2"], 2),
     ("train other config on a run", ["train", "{cfg}", "--out", "{run}", "--set", "model.d_model=64"], 2),
     ("train corrupt only checkpoint", ["train", "{cfg}", "--out", "{corrupt_run}", "--set", "train.max_steps=3"], 2),
     # data prepare
@@ -248,6 +277,10 @@ CASES: list[tuple[str, list[str], int]] = [
     *[(f"sweep {name}", [*S, f"{{{name}}}", "--out", "{new}", "--quiet"], 2) for name in (
         "spec_breaks_min_steps", "spec_breaks_head", "spec_breaks_epochs")],
     ("sweep missing data, once up front", [*S, "{spec_no_data}", "--out", "{new}", "--quiet"], 2),
+    ("sweep vocabulary below the data's, once up front",
+     [*S, "{spec_vocab_below_data}", "--out", "{new}", "--quiet"], 2),
+    ("sweep context beyond the validation split, once up front",
+     [*S, "{spec_context_beyond_val}", "--out", "{new}", "--quiet"], 2),
     ("sweep --workers 0", [*S, "{spec_good}", "--out", "{new}", "--workers", "0"], 2),
     ("sweep --workers -3", [*S, "{spec_good}", "--out", "{new}", "--workers", "-3"], 2),
     ("sweep --max-retries -1", [*S, "{spec_good}", "--out", "{new}", "--max-retries", "-1"], 2),
@@ -318,6 +351,14 @@ CASES: list[tuple[str, list[str], int]] = [
     ("law fit --plots a file", ["law", "fit", "{table}", "--plots", "{file}"], 2),
     ("law predict missing fit", ["law", "predict", "{root}/none.json", "--input", "{table}"], 2),
     ("law no subcommand", ["law"], 2),
+    ("law fit causal loss n/a", ["law", "fit", "{causal_na}"], 2),
+    ("law fit causal loss inf", ["law", "fit", "{causal_inf}"], 2),
+    ("law fit causal loss -5", ["law", "fit", "{causal_neg}"], 2),
+    ("law fit causal loss text", ["law", "fit", "{causal_text}"], 2),
+    ("law predict NaN parameter", ["law", "predict", "{fit_nan}", "--input", "{table}"], 2),
+    ("law predict inf parameter", ["law", "predict", "{fit_inf}", "--input", "{table}"], 2),
+    ("recommend NaN parameter", ["recommend", "--compute", "1e15", "--context", "128",
+                                 "--active-params", "1e6", "--law", "{fit_nan}"], 2),
     ("recommend --compute nan", ["recommend", "--compute", "nan", "--context", "128", "--active-params", "1e6"], 2),
     ("recommend --compute inf", ["recommend", "--compute", "inf", "--context", "128", "--active-params", "1e6"], 2),
     ("recommend --compute abc", ["recommend", "--compute", "abc", "--context", "128", "--active-params", "1e6"], 2),
@@ -336,6 +377,23 @@ CASES: list[tuple[str, list[str], int]] = [
     ("demo --compute -5", ["demo", "--compute", "-5", "--out", "{new}"], 2),
     ("demo --out a file", ["demo", "--out", "{file}"], 2),
 ]
+
+
+MUST_SAY = {  # cases whose one line must name this cause (not merely some error)
+    "law fit causal loss n/a": "row 1: val_loss_causal=nan",
+    "law fit causal loss inf": "row 1: val_loss_causal=inf",
+    "law fit causal loss -5": "row 1: val_loss_causal=-5",
+    "law fit causal loss text": "row 1: val_loss_causal='low'",
+    "law predict NaN parameter": "alpha is nan",
+    "law predict inf parameter": "alpha is inf",
+    "recommend NaN parameter": "alpha is nan",
+    "sweep vocabulary below the data's, once up front": "model.vocab_size 200, below",
+    "sweep context beyond the validation split, once up front": "fewer than context + 1",
+    "info base chain loops": "loops",
+    "info base not a name": "must be a preset name",
+    "train vocabulary beyond memory": "GiB",
+    "train width beyond memory": "GiB",
+}
 
 
 def _case_id(case: object) -> str:
@@ -363,6 +421,7 @@ def test_bad_input_is_one_line(
     assert "Traceback" not in err, err
     assert got == code, (name, got, err)
     assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert MUST_SAY.get(name, "") in err, (name, err)
 
 
 # --- faults of the machine -----------------------------------------------------------
@@ -711,3 +770,93 @@ def test_atomic_open_refuses_a_link_planted_at_its_temporary_name(tmp_path: Path
     tmp.symlink_to(victim)
     atomic_write_text(target, "new")
     assert target.read_text() == "new" and victim.read_text() == "precious"
+
+
+# --- the environment, the run directory, the config chain -----------------------------
+
+
+@pytest.mark.parametrize("env", [
+    {"WORLD_SIZE": "2"}, {"WORLD_SIZE": "abc"}, {"WORLD_SIZE": "0"},
+    {"WORLD_SIZE": "2", "RANK": "5"}, {"WORLD_SIZE": "2", "RANK": "-1"},
+    {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "x"},
+], ids=["no RANK", "WORLD_SIZE abc", "WORLD_SIZE 0", "RANK beyond", "RANK negative",
+        "LOCAL_RANK x"])
+def test_launcher_environment_is_checked(
+    env: dict[str, str], world: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(_train_args(world, tmp_path / "run")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("RANK" in err or "WORLD_SIZE" in err), err
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
+
+
+def _copy_run(run: str, dst: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run, dst))
+
+
+def test_stray_names_in_ckpt_are_ignored_with_a_note(
+    world: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    run = _copy_run(world["run"], tmp_path / "run")
+    newest = ckpt_io.checkpoint_dirs(run)[-1]
+    shutil.copytree(newest, newest.with_name("step_00000005.bak"))  # a user's backup copy
+    (run / "ckpt" / "step_00000009").write_text("not a directory")
+    (run / "ckpt" / "step_1").mkdir()
+    assert ckpt_io.checkpoint_dirs(run) == [newest]
+    assert "step_00000005.bak" in capsys.readouterr().err
+    assert main(["generate", str(run), "--prompt", "The", "--max-new-tokens", "2"]) == 0
+    assert main(["eval", str(run), "--tasks", "", "--batches", "1", "--quiet"]) == 0
+    assert main([*_train_args(world, run), "--set", "train.max_steps=3", "--force"]) == 0
+    assert (run / "ckpt" / "step_00000005.bak").is_dir()  # never pruned: not ours
+
+
+def test_finished_run_without_checkpoints_stops(
+    world: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    run = _copy_run(world["run"], tmp_path / "run")
+    shutil.rmtree(run / "ckpt")
+    before = {n: (run / n).read_bytes() for n in ("summary.json", "metrics.jsonl")}
+    capsys.readouterr()
+    assert main(_train_args(world, run)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "finished" in err and "--restart" in err, err
+    assert {n: (run / n).read_bytes() for n in before} == before
+    assert main([*_train_args(world, run), "--restart"]) == 0  # on purpose: trained again
+
+
+def test_a_base_of_a_base_is_merged(world: dict[str, str], tmp_path: Path) -> None:
+    from xmodlm.config import load_config
+
+    (tmp_path / "grand.yaml").write_text("model: {d_model: 64, n_heads: 2, n_layers: 6}\n")
+    (tmp_path / "parent.yaml").write_text(f"base: {tmp_path / 'grand.yaml'}\nmodel: {{n_layers: 2}}\n")
+    (tmp_path / "child.yaml").write_text(f"base: {tmp_path / 'parent.yaml'}\nname: child\n")
+    cfg = load_config(tmp_path / "child.yaml")
+    assert (cfg.name, cfg.model.d_model, cfg.model.n_heads, cfg.model.n_layers) == (
+        "child", 64, 2, 2)  # the grandparent's width arrives; the nearer depth wins
+    chained, direct = load_config(world["chain"]), load_config(world["cfg"])
+    assert dataclasses.replace(chained, name=direct.name) == direct
+
+
+def test_info_counts_a_huge_model_without_building_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import xmodlm.model as model
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("info built the model")
+
+    monkeypatch.setattr(model, "Transformer", no_build)
+    assert main(["info", "xmod-tiny", "--set", "model.vocab_size=2e9", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["params_total"] > 5e11 and info["gate_gamma_init"] is None

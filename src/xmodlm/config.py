@@ -385,18 +385,32 @@ def preset_names() -> list[str]:
 def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a preset by name (``xmod-tiny``) or a YAML file, apply overrides, validate.
 
-    A YAML file may say ``base: PRESET`` to start from a shipped preset.
+    A YAML file may say ``base: PRESET`` (or a YAML path) to start from another
+    config; that base may have its own base, and the whole chain is merged, the
+    nearest file winning (:func:`_with_bases`).
     """
-    raw = _read_yaml(name_or_path)
-    base = raw.pop("base", None)
-    if base is not None:
-        merged = _read_yaml(base)
-        merged.pop("base", None)
-        raw = _deep_merge(merged, raw)
+    raw = _with_bases(name_or_path, [])
     cfg = Config.from_dict(raw, where="")
     if overrides:
         cfg = cfg.merge(list(overrides))
     return cfg.validate()
+
+
+def _with_bases(name_or_path: str | Path, chain: list[str]) -> dict[str, Any]:
+    """The settings of ``name_or_path`` merged over those of its base, and so on up
+    the chain (a base dropped silently would train a different model than the file
+    says); a chain that comes back to itself is refused."""
+    key = str(name_or_path)
+    if key in chain:
+        loop = " -> ".join([*chain[chain.index(key):], key])
+        raise UserError(f"config base chain loops: {loop}; a base may not lead back to itself")
+    raw = _read_yaml(name_or_path)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str) or not base.strip():
+        raise UserError(f"config {key!r}: base {base!r} must be a preset name or a YAML path")
+    return _deep_merge(_with_bases(base, [*chain, key]), raw)
 
 
 def _read_yaml(name_or_path: str | Path) -> dict[str, Any]:

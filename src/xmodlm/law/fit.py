@@ -281,7 +281,24 @@ def load_fit(path: str | Path) -> LawFit:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"law fit {str(path)!r} is not valid JSON") from None
-    return LawFit.from_json(data)
+    fit = LawFit.from_json(data)
+    _check_finite_params(fit, path)
+    return fit
+
+
+def _check_finite_params(fit: LawFit, path: Path) -> None:
+    """Every fitted parameter is a finite number. JSON admits NaN and Infinity, and
+    one such parameter (a hand edit, a broken writer) would make every prediction
+    NaN while the command still succeeds."""
+    laws = [(f"dense law (context {t})", law.value, dense.NAMES) for t, law in fit.dense.items()]
+    laws += [(f"delta form {n}", d.value, d.spec.names) for n, d in fit.deltas.items()]
+    for what, value, names in laws:
+        bad = np.flatnonzero(~np.isfinite(value))
+        if bad.size:
+            raise UserError(
+                f"law fit {str(path)!r}: {what} parameter {names[bad[0]]} is {value[bad[0]]},"
+                " not a finite number: refit with `xmod law fit --out`"
+            )
 
 
 def _logs(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:

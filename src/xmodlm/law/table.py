@@ -27,8 +27,9 @@ Derived columns added to the frame:
   away as if seeds were independent configurations.
 
 Which loss is fitted (DESIGN 5): ``val_loss`` is replaced by the causal-routing
-loss (``val_loss_causal``) where the table has it, because only causal routing
-can decode; ``loss="topk"`` keeps the optimistic top-k loss. Runs with fewer
+loss (``val_loss_causal``) where the table has that column, because only causal
+routing can decode; then every row must have a causal loss (a row without one is
+refused, never given its top-k loss); ``loss="topk"`` keeps the optimistic top-k loss. Runs with fewer
 optimiser steps than ``min_steps`` (column ``steps``) are left out and counted:
 early training measures warmup, not the architecture.
 """
@@ -192,8 +193,15 @@ def _choose_loss(frame: pd.DataFrame, loss: str, notes: list[str]) -> tuple[pd.D
     if "val_loss_causal" not in frame:
         notes.append("no val_loss_causal column: the top-k validation loss is fitted")
         return frame, "topk"
-    causal = pd.to_numeric(frame["val_loss_causal"], errors="coerce")
-    frame["val_loss"] = causal.where(causal.notna(), frame["val_loss"])
+    # every row its own causal loss: a row without one (n/a, empty) is not quietly
+    # given its top-k loss, which would mix two losses in one fit
+    cells = frame.copy()  # as given, for the message
+    frame["val_loss_causal"] = _numbers(frame, "val_loss_causal")
+    _require(frame, cells, "val_loss_causal",
+             frame["val_loss_causal"] > 0,
+             "a positive finite number (the causal-routing loss; --loss topk fits the top-k"
+             " loss instead)")
+    frame["val_loss"] = frame["val_loss_causal"]
     return frame, "causal"
 
 

@@ -146,12 +146,27 @@ def check_options(executor: str, workers: int | None, max_retries: int) -> None:
 
 def check_data(runs: list[RunSpec]) -> None:
     """Each distinct data directory of the runs, checked once before any run starts
-    (rather than found missing by every run in turn)."""
-    from xmodlm.data.batches import load_split
+    (rather than found missing by every run in turn), and every run against its
+    data: a vocabulary below the data's, or a context longer than a split holds,
+    would fail run after run, each only in its own log."""
+    from xmodlm.data.batches import load_manifest, load_split
 
     for data_dir in sorted({r.cfg.data.dir for r in runs}):
-        for split in ("train", "val"):
-            load_split(data_dir, split)
+        vocab = load_manifest(data_dir)["vocab_size"]
+        splits = {split: load_split(data_dir, split) for split in ("train", "val")}
+        mine = [r for r in runs if r.cfg.data.dir == data_dir]
+        if small := [r for r in mine if r.cfg.model.vocab_size < vocab]:
+            raise UserError(
+                f"sweep spec: run {small[0].run_id} has model.vocab_size"
+                f" {small[0].cfg.model.vocab_size}, below the vocabulary of {vocab} of {data_dir}"
+                f" ({len(small)} run(s)): set model.vocab_size >= {vocab}"
+            )
+        longest = max(mine, key=lambda r: r.cfg.model.context)
+        for data in splits.values():
+            try:
+                data.check_context(longest.cfg.model.context)
+            except UserError as err:
+                raise UserError(f"sweep spec: run {longest.run_id} of {data_dir}: {err}") from None
 
 
 @dataclass(frozen=True)

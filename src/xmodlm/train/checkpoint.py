@@ -13,12 +13,19 @@ A run directory holds::
 A checkpoint directory is complete once ``meta.json`` exists: it is written last,
 after everything else was fsynced, and the directory itself is renamed into place
 from a temporary name, so a crash leaves either a whole checkpoint or none.
+
+Only names of exactly that form (``step_`` and eight digits) are checkpoints;
+anything else in ``ckpt/`` (a user's ``step_00000005.bak`` copy, an editor's
+file) is left alone, named once on stderr, and never loaded, pruned or parsed.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -30,9 +37,12 @@ from safetensors.torch import load_file, save, save_file
 from xmodlm.config import Config, load_config
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_open, atomic_write_json, fsync_dir
+from xmodlm.info import check_memory
 from xmodlm.model import Transformer
 
 CKPT_DIR = "ckpt"
+_CKPT_NAME = re.compile(r"step_(\d{8})")
+_noted_strays: set[Path] = set()
 
 
 def _umask() -> int:
@@ -61,13 +71,49 @@ def clean_abandoned(run_dir: Path) -> list[Path]:
     return found
 
 
+def checkpoint_step(ckpt: Path) -> int:
+    """The step of a checkpoint directory named ``step_NNNNNNNN``."""
+    match = _CKPT_NAME.fullmatch(Path(ckpt).name)
+    assert match is not None, ckpt  # only checkpoint_dirs' names reach here
+    return int(match.group(1))
+
+
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Complete checkpoints of a run, oldest first. Other ``step_*`` entries (a
+    backup copy ``step_00000005.bak``) are not checkpoints: noted once, ignored."""
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step_*") if (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+    found = []
+    for p in root.glob("step_*"):
+        if _CKPT_NAME.fullmatch(p.name):
+            if (p / "meta.json").is_file():
+                found.append(p)
+        elif p not in _noted_strays:
+            _noted_strays.add(p)
+            print(f"note: ignoring {p}: not a checkpoint name (step_ and 8 digits)",
+                  file=sys.stderr)
+    return sorted(found, key=checkpoint_step)
+
+
+def check_finished_run_resumable(run_dir: Path) -> None:
+    """Refuse to retrain a finished run whose checkpoints are gone.
+
+    Its ``summary.json`` says it finished; with no checkpoint to resume from,
+    training would start again at step 0 and overwrite the finished run's metrics
+    and summary, so this stops instead (``--restart`` trains it again on purpose).
+    """
+    run = Path(run_dir)
+    try:
+        status = json.loads((run / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return
+    if status in ("ok", "diverged") and not checkpoint_dirs(run):
+        raise UserError(
+            f"run directory {str(run)!r} is finished (summary.json: {status}) but has no"
+            f" checkpoint in {CKPT_DIR}/ to resume from: nothing to do; pass --restart to"
+            " train it again from step 0"
+        )
 
 
 def save_checkpoint(
@@ -204,9 +250,10 @@ def load_run(
     cfg = load_config(run / "config.yaml")
     ckpts = checkpoint_dirs(run)
     if step is not None:
-        ckpts = [p for p in ckpts if int(p.name.split("_")[1]) == step]
+        ckpts = [p for p in ckpts if checkpoint_step(p) == step]
     if not ckpts:
         raise UserError(f"run directory {str(run)!r} has no complete checkpoint yet")
+    check_memory(cfg.model, torch.device(device), "load")
     errors = []
     for ckpt in reversed(ckpts):
         model = Transformer(cfg.model)

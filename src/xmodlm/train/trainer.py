@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -46,6 +47,7 @@ from xmodlm.hardware import (
     resolve_dtype,
     retain_freed_memory,
 )
+from xmodlm.info import check_memory
 from xmodlm.model import Transformer
 from xmodlm.train import checkpoint as ckpt_io
 from xmodlm.train.lock import run_lock
@@ -66,16 +68,31 @@ class Dist:
 
 def setup_distributed(device_name: str) -> Dist:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = _env_rank("WORLD_SIZE", "1", low=1)
     if world <= 1:
         return Dist()
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if "RANK" not in os.environ:
+        raise UserError(
+            f"WORLD_SIZE={world} but RANK is not set: launch with torchrun, which sets both"
+            " (or unset WORLD_SIZE to train in one process)"
+        )
+    rank, local = _env_rank("RANK", "0", high=world - 1), _env_rank("LOCAL_RANK", "0")
     if not dist.is_initialized():
         use_nccl = torch.cuda.is_available() and device_name != "cpu"
         if use_nccl:
             torch.cuda.set_device(local)
         dist.init_process_group(backend="nccl" if use_nccl else "gloo")
     return Dist(rank, world, local)
+
+
+def _env_rank(name: str, default: str, low: int = 0, high: int | None = None) -> int:
+    """An integer the launcher put in the environment, checked (a typo there would
+    otherwise surface as a ValueError from deep in the start of training)."""
+    text = os.environ.get(name, default).strip()
+    if not re.fullmatch(r"\d+", text) or int(text) < low or (high is not None and int(text) > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise UserError(f"environment variable {name}={text!r}: must be an integer {bound}")
+    return int(text)
 
 
 @dataclass
@@ -327,6 +344,7 @@ def train(
     ddp = setup_distributed(t.device)
     if device.type == "cuda":
         device = torch.device("cuda", ddp.local_rank)
+    check_memory(cfg.model, device, "train")  # a mistyped size: refused before allocation
     # on CPU, keep freed activations for the next step instead of page-faulting them in
     allocator = retain_freed_memory() if device.type == "cpu" else "CUDA caching allocator"
     budget = resolve_budget(cfg, ddp.world_size)
@@ -344,6 +362,8 @@ def train(
     # one writer per run directory: a second `xmod train` on it is refused
     with _writer_lock(run, ddp.is_main):
         _prepare_run_dir(cfg, run, ddp.is_main, force=force, restart=restart)
+        if not restart:
+            ckpt_io.check_finished_run_resumable(run)
         if ddp.is_main:
             _clear_run(run, restart)
         env = environment_record()  # the code this start runs (a sweep may outlive a commit)
