@@ -472,3 +472,93 @@ def test_export_on_a_full_disk_is_one_line_and_keeps_the_old_export(
     err = _one_line_exit_2(["export", str(run_dir), "--out", str(out)], capsys)
     assert "No space left on device" in err and "full" in err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+# --- an export on a machine without xmod-lm -------------------------------------------------
+
+CLEAN_VENV_SCRIPT = """
+import importlib.util, json, sys
+assert importlib.util.find_spec("xmodlm") is None, "xmod-lm is importable here"
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+path, result, n, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+name = json.load(open(path + "/config.json"))["model_type"]
+try:
+    AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False)
+    without_trust = "loaded"
+except ValueError:
+    without_trust = "refused"
+model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+batch = tok(prompts, return_tensors="pt", padding=True)
+out = model.generate(**batch, max_new_tokens=n, do_sample=False, use_cache=True)
+eot = model.config.eos_token_id
+texts = []
+for row in out[:, batch["input_ids"].shape[1]:].tolist():
+    texts.append(tok.decode(row[: row.index(eot)] if eot in row else row))
+with open(result, "w") as f:  # not stdout: transformers prompts there
+    json.dump({"builtin": name in CONFIG_MAPPING_NAMES, "without_trust": without_trust,
+               "texts": texts}, f)
+"""
+
+
+def _varied_export(exported: Path, out: Path) -> Path:
+    """A copy of ``exported`` with random weights that route some tokens and not others
+    and decode without repeating (the 2-step model repeats one pair of tokens)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(exported, out)
+    model, tok = xmodlm.load_pretrained(out)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.25)
+        model.calibrate_thresholds_(torch.randint(0, tok.vocab_size, (4, model.cfg.context)))
+    weights = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.slow
+def test_export_generates_like_xmod_in_a_venv_without_xmodlm(
+    exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A clean virtual environment with torch (CPU) and transformers only, as on a
+    hub user's machine: the export loads, is never taken for a built-in model,
+    and greedy generation of a padded batch gives `xmod generate`'s text."""
+    import subprocess
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    model_dir = _varied_export(exported, tmp_path / "model")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "-q", f"torch=={torch.__version__.split('+')[0]}",
+         f"transformers=={transformers.__version__}"],
+        capture_output=True, text=True,
+    )
+    if pip.returncode != 0:
+        pytest.skip(f"cannot install torch and transformers: {pip.stderr.strip()[-300:]}")
+    prompts, n = ["The whale", "A ship of the king was"], 16
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf")}
+    result = tmp_path / "result.json"
+    run = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", CLEAN_VENV_SCRIPT, str(model_dir), str(result),
+         str(n), *prompts],
+        capture_output=True, text=True, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    there = json.loads(result.read_text())
+    assert there["builtin"] is False and there["without_trust"] == "refused"
+    argv = ["generate", str(model_dir), "--max-new-tokens", str(n), "--temperature", "0", "--json"]
+    for prompt in prompts:
+        argv += ["--prompt", prompt]
+    assert main(argv) == 0
+    here = [json.loads(line)["completion"] for line in capsys.readouterr().out.splitlines()]
+    assert there["texts"] == here
+    assert all(len(set(text)) > 5 for text in here)  # varied, not one token repeated

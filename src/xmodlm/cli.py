@@ -300,6 +300,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         parse_executor_options,
     )
     from xmodlm.sweep.spec import (
+        DEFAULT_FIXED_S,
         check_requirements,
         estimate_seconds,
         eval_args,
@@ -337,7 +338,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if args.rate_from and measured is None:
             raise UserError(f"--rate-from {args.rate_from}: no finished runs (runs/*/summary.json)")
         table["est_s"] = estimate_seconds(
-            runs, workers=args.workers, rate=None if measured is None else measured[0]
+            runs, workers=args.workers, rate=None if measured is None else measured.rate,
+            fixed_s=None if measured is None else measured.fixed_s,
         )
         fmt = {"capacity": "{:.4g}".format, "params_active": "{:.4g}".format,
                "flops_per_token": "{:.4g}".format, "tokens": "{:.4g}".format,
@@ -346,10 +348,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                "epochs": lambda v: "?" if v is None or v != v else f"{v:.2f}"}
         print(table.to_string(index=False, formatters=fmt))
         how = ("from the measured matmul peak; rough" if measured is None else
-               f"from {measured[0]:.3g} FLOP/s a run, measured by {measured[1]} finished runs"
-               f" in {source}")
+               f"from {measured.rate:.3g} FLOP/s a run, measured by {measured.runs} finished"
+               f" runs in {source}")
+        fixed = (f"{DEFAULT_FIXED_S:.0f} s a run to start and evaluate (assumed)"
+                 if measured is None or measured.fixed_s is None else
+                 f"{measured.fixed_s:.1f} s a run to start and evaluate (measured)")
         print(f"{len(table)} runs, estimated {table['est_s'].sum() / 60 / args.workers:.0f} min"
-              f" with {args.workers} worker(s) ({how})")
+              f" with {args.workers} worker(s) ({how}; {fixed})")
         for line in broken:  # shown, not refused: a dry run is for fixing the spec
             print(line.replace("sweep spec: ", "would refuse: "))
         return 0
