@@ -100,6 +100,11 @@ def world(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     w["base_int"] = str(root / "base_int.yaml")
     (root / "chain.yaml").write_text(f"base: {cfg}\nname: chained\n")  # cfg's base: xmod-tiny
     w["chain"] = str(root / "chain.yaml")
+    from xmodlm.export import FORMAT
+
+    (root / "export").mkdir()  # what `xmod export` leaves: config.json of its format
+    (root / "export" / "config.json").write_text(json.dumps({"format": FORMAT}))
+    w["export"] = str(root / "export")
     (root / "dir.yaml").mkdir()
     w["dir_yaml"] = str(root / "dir.yaml")
     table = root / "results.csv"
@@ -321,6 +326,11 @@ CASES: list[tuple[str, list[str], int]] = [
     ("eval --data ids beyond vocab", ["eval", "{run}", "--data", "{bad_ids}", "--split", "train",
                                       "--tasks", ""], 2),
     ("eval corrupt checkpoint", ["eval", "{corrupt_run}", "--tasks", ""], 2),
+    ("eval an export folder", ["eval", "{export}", "--tasks", ""], 2),
+    ("calibrate an export folder", ["calibrate", "{export}"], 2),
+    ("generate an export folder", ["generate", "{export}", "--prompt", "x"], 2),
+    ("show-routing an export folder", ["show-routing", "{export}", "--text", "x", "--out", "{new}.png"], 2),
+    ("lm-eval an export folder", ["lm-eval", "{export}", "--tasks", "xmod_cloze"], 2),
     # show-routing
     ("show-routing --out under a file", [*SR, "--out", "{file}/r.png"], 2),
     ("show-routing --out a directory", [*SR, "--out", "{root}"], 2),
@@ -380,6 +390,8 @@ CASES: list[tuple[str, list[str], int]] = [
 
 
 MUST_SAY = {  # cases whose one line must name this cause (not merely some error)
+    **{f"{cmd} an export folder": "is an export" for cmd in ("eval", "calibrate", "show-routing",
+                                                             "lm-eval")},
     "law fit causal loss n/a": "row 1: val_loss_causal=nan",
     "law fit causal loss inf": "row 1: val_loss_causal=inf",
     "law fit causal loss -5": "row 1: val_loss_causal=-5",
@@ -860,3 +872,18 @@ def test_info_counts_a_huge_model_without_building_it(
     assert main(["info", "xmod-tiny", "--set", "model.vocab_size=2e9", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["params_total"] > 5e11 and info["gate_gamma_init"] is None
+
+
+def test_eval_of_a_read_only_run_keeps_its_items_elsewhere(
+    world: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    run = _copy_run(world["run"], tmp_path / "run")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p).startswith(str(run))
+                        else real(p, mode, **kw))  # a read-only file system under the run
+    argv = ["eval", str(run), "--tasks", "cloze", "--max-items", "4", "--batches", "1", "--json"]
+    assert main([*argv, "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert "cannot be written" in err and json.loads(out)["tasks"]["cloze"]["items"] == 4
+    assert not (run / "eval_items").exists() or not any((run / "eval_items").iterdir())

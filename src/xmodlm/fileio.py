@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,6 +77,27 @@ def atomic_savefig(fig: Any, path: Path, **kwargs: Any) -> Path:
     with atomic_open(path, "wb") as handle:
         fig.savefig(handle, **kwargs)
     return path
+
+
+def cache_dir(preferred: Path, what: str) -> Path:
+    """``preferred`` (made if absent) where it can be written, else a fresh temporary
+    folder, with a note on stderr.
+
+    A cache kept in a run folder must not fail a command that only reads the run: an
+    evaluation on a read-only file system would otherwise compute everything and
+    then stop on the cache. The cost of the fallback is building the cache again.
+    """
+    preferred = Path(preferred)
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        if os.access(preferred, os.W_OK):
+            return preferred
+    except OSError:
+        pass
+    fallback = Path(tempfile.mkdtemp(prefix="xmod-cache-"))
+    print(f"note: {preferred} cannot be written: {what} kept in {fallback} for this run",
+          file=sys.stderr)
+    return fallback
 
 
 def fsync_dir(directory: Path) -> None:

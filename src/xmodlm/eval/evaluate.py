@@ -27,6 +27,7 @@ from xmodlm.errors import UserError
 from xmodlm.eval import tasks as task_mod
 from xmodlm.eval.calibrate import calibration_windows
 from xmodlm.eval.loss import evaluate
+from xmodlm.fileio import cache_dir
 from xmodlm.model.kv_cache import kv_bytes_formula
 from xmodlm.train.checkpoint import load_run, tokenizer_path
 
@@ -138,7 +139,8 @@ def evaluate_run(
     if names:
         tok_file = _tokenizer_file(run_dir, data_dir)
         tok = Tokenizer.load(tok_file)
-        where = Path(items_dir) if items_dir is not None else Path(run_dir) / "eval_items"
+        where = (Path(items_dir) if items_dir is not None
+                 else cache_dir(Path(run_dir) / "eval_items", "task items"))
         for name in names:
             items = task_mod.load_or_build_items(name, data_dir, where, split, seed, max_items)
             result["tasks"][name] = task_mod.score_task(name, items, model, tok, device)

@@ -46,7 +46,7 @@ from xmodlm.data.tokenizer import Tokenizer
 from xmodlm.errors import UserError
 from xmodlm.eval import tasks as task_mod
 from xmodlm.eval.scoring import score_continuations
-from xmodlm.fileio import atomic_open
+from xmodlm.fileio import atomic_open, cache_dir
 from xmodlm.model.generate import generate
 from xmodlm.progress import Progress
 from xmodlm.train.checkpoint import load_run, tokenizer_path
@@ -372,7 +372,8 @@ def run_harness(
                    dtype=dtype, seed=seed)
     paths = [str(include_path)] if include_path else []
     if any(n in LOCAL_TASKS for n in names):
-        local = write_local_tasks(model.cfg.data.dir, Path(run_dir) / "eval_items" / "harness")
+        local = write_local_tasks(model.cfg.data.dir,
+                                  cache_dir(Path(run_dir) / "eval_items" / "harness", "task files"))
         paths.append(str(local))
     # indexing the harness's thousands of built-in YAMLs takes a while: skip it
     # when every task asked for is a local one

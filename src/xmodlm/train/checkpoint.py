@@ -246,6 +246,14 @@ def load_run(
     """
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
+        from xmodlm.export import is_exported
+
+        if is_exported(run):
+            raise UserError(
+                f"{str(run)!r} is an export (config.json + model.safetensors), not a run"
+                " directory: pass the run it was exported from (the --out of xmod train),"
+                f" or load the export with xmodlm.load_pretrained({str(run)!r})"
+            )
         raise UserError(f"run directory {str(run)!r} not found or has no config.yaml")
     cfg = load_config(run / "config.yaml")
     ckpts = checkpoint_dirs(run)
