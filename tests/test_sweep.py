@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -323,11 +324,25 @@ def test_dry_run_sizes_from_measured_throughput(tiny_data_dir: Path, tmp_path: P
         run.mkdir(parents=True)
         (run / "summary.json").write_text(json.dumps({"status": "ok", "flops": flops_,
                                                       "wall_s": wall}))
-    assert measured_rate(done) == (2e11, 3)  # the zero-time run is not a measurement
+    assert measured_rate(done) == (2e11, 3, None)  # the zero-time run is not a measurement
+    # a sweep's own runs also measure the time outside the loop: launch to last record
+    for i in range(3):
+        run = done / "runs" / f"r{i}"
+        (run / "sweep_config.yaml").write_text("{}")
+        os.utime(run / "sweep_config.yaml", (1000.0, 1000.0))
+        os.utime(run / "summary.json", (1000.0 + 10.0 + 4.0 + i, 1000.0 + 10.0 + 4.0 + i))
+    assert measured_rate(done) == (2e11, 3, pytest.approx(5.0))
     spec = _spec(tmp_path, tiny_data_dir, [{"family": "dense"}])
     assert main(["sweep", str(spec), "--dry-run", "--rate-from", str(done)]) == 0
     out = capsys.readouterr().out
     assert "2e+11 FLOP/s a run, measured by 3 finished runs" in out
+    assert "5.0 s a run to start and evaluate (measured)" in out
+    # each run: that fixed cost plus its compute over the rate
+    from xmodlm.sweep.spec import DEFAULT_FIXED_S, estimate_seconds
+
+    runs = expand(load_spec(spec))
+    assert estimate_seconds(runs, rate=2e11, fixed_s=5.0) == [5.0 + r.compute / 2e11 for r in runs]
+    assert estimate_seconds(runs, rate=2e11)[0] == DEFAULT_FIXED_S + runs[0].compute / 2e11
     assert main(["sweep", str(spec), "--dry-run", "--rate-from", str(tmp_path / "none")]) == 2
 
 

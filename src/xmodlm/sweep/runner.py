@@ -350,19 +350,40 @@ def _same_run(old: Any, new: Any, defaults: Any) -> bool:
     return old == new
 
 
+def _estimated_seconds(runs: dict[str, RunSpec], out: Path, workers: int) -> dict[str, float]:
+    """Each run's estimated wall time (:func:`xmodlm.sweep.spec.estimate_seconds`: a
+    fixed cost plus its FLOPs over a rate), measured by this sweep's finished runs
+    where there are some."""
+    from xmodlm.sweep.spec import estimate_seconds, measured_rate
+
+    if not runs:
+        return {}
+    measured = measured_rate(out)
+    seconds = estimate_seconds(list(runs.values()), workers=workers,
+                               rate=None if measured is None else measured.rate,
+                               fixed_s=None if measured is None else measured.fixed_s)
+    return dict(zip(runs, seconds, strict=True))
+
+
 class Progress:
     """A one-line live display: done / running / failed and an ETA.
 
-    The ETA weighs runs by their compute budgets (``costs``: FLOPs of each run
-    to do): a sweep's runs differ by tiers several times apart, so counting runs
-    would misjudge the time left by as much. It is the time so far times the
-    FLOPs left over the FLOPs finished in this invocation.
+    The ETA weighs runs by their estimated wall times (``costs``: seconds of each
+    run to do, a fixed cost per run plus its FLOPs over a rate,
+    :func:`xmodlm.sweep.spec.estimate_seconds`): a sweep's runs differ by tiers
+    several times apart, and a small run costs more to start and evaluate than to
+    train, so counting runs or FLOPs alone misjudges the time left. Before a run
+    ends it is the estimate left over ``workers``; then the time so far times the
+    estimate left over the estimate finished in this invocation (the estimate,
+    corrected by the speed seen).
     """
 
     def __init__(
         self, total: int, done: int, enabled: bool = True, costs: dict[str, float] | None = None,
+        workers: int = 1,
     ) -> None:
         self.total, self.done, self.failed, self.running = total, done, 0, 0
+        self.workers = max(1, workers)
         self.enabled = enabled
         self.t0 = time.time()
         self.costs = dict(costs or {})
@@ -380,7 +401,8 @@ class Progress:
             return
         self.shown = counts
         elapsed = time.time() - self.t0
-        eta = elapsed * self.cost_left / self.cost_done if self.cost_done > 0 else float("nan")
+        eta = (elapsed * self.cost_left / self.cost_done if self.cost_done > 0
+               else self.cost_left / self.workers if self.costs else float("nan"))
         eta_s = "?" if eta != eta else f"{eta / 60:.1f} min"
         line = (f"sweep: {self.done}/{self.total} done, {self.running} running,"
                 f" {self.failed} failed, ETA {eta_s}")
@@ -439,7 +461,7 @@ def run_sweep(
     cores = os.cpu_count() or 1
     workers = max(1, workers or 1)
     threads = max(1, cores // workers)
-    todo, done, costs = [], 0, {}
+    todo, done, to_run = [], 0, {}
     runs = adopt_earlier_runs(runs, out / "runs")
     for r in runs:
         state, attempts = run_state(out / "runs" / r.run_id, needs_eval=bool(eval_args))
@@ -448,8 +470,9 @@ def run_sweep(
         elif attempts <= max_retries:
             todo.append(Job(r.run_id, str(out / "runs" / r.run_id), r.cfg.to_yaml(), threads,
                             tuple(eval_args), run_set))
-            costs[r.run_id] = float(r.compute)
-    bar = Progress(len(runs), done, enabled=progress, costs=costs)
+            to_run[r.run_id] = r
+    costs = _estimated_seconds(to_run, out, workers)
+    bar = Progress(len(runs), done, enabled=progress, costs=costs, workers=workers)
     outcomes: list[dict[str, Any]] = []
     with SweepStop().installed() as stop:
         for outcome in engine.submit(todo, bar, threads, stop):
