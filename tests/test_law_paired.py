@@ -118,8 +118,29 @@ def test_paired_baseline_needs_no_dense_law(table: pd.DataFrame, paired: LawFit)
     held = paired.metrics["heldout_by_protocol"]
     assert set(held) == {"leave-cell-out", "top-compute", "longest-context"}
     assert all(h["rmse"] < 0.01 for h in held.values())
-    with pytest.raises(UserError, match="predicts no losses"):
-        predict(paired, table.head(3))
+    # without a dense law it predicts differences from dense, not losses
+    out = predict(paired, table)
+    assert "pred_loss" not in out and {"delta", "delta_lo", "delta_hi"} <= set(out)
+    routed = (table["family"] != "dense").to_numpy()
+    truth = -G * np.log(out["rho"].to_numpy())
+    assert np.abs(out["delta"].to_numpy()[routed] - truth[routed]).max() < 0.01
+    assert (out["delta"].to_numpy()[~routed] == 0).all()
+    assert (out["delta_lo"] <= out["delta"]).all() and (out["delta"] <= out["delta_hi"]).all()
+
+
+def test_law_predict_cli_names_what_a_paired_fit_predicts(
+    paired: LawFit, table: pd.DataFrame, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    (tmp_path / "fit.json").write_text(json.dumps(paired.to_json()))
+    table.to_csv(tmp_path / "rows.csv", index=False)
+    argv = ["law", "predict", str(tmp_path / "fit.json"), "--input", str(tmp_path / "rows.csv")]
+    assert main([*argv, "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["predicts"] == "delta" and "pred_loss" not in payload["predictions"][0]
+    assert main(argv) == 0
+    assert "differences from dense, not losses" in capsys.readouterr().out
 
 
 def test_other_learning_rates_are_left_out_and_counted(paired: LawFit, table) -> None:

@@ -594,7 +594,9 @@ def _other_protocols(
     not chosen for (a held-out routing cell, the top compute tier, the longest
     context), refitting only that law on each fold, after the bootstrap (so
     the fitted parameters and intervals do not depend on them). A protocol the
-    table cannot support is recorded as ``{"not_applicable": why}``.
+    table cannot support (no such folds, or a fold that leaves too few dense runs
+    to refit the dense law) is recorded as ``{"not_applicable": why}``: it tests
+    the law, and a small design should still be fitted.
     """
     out: dict[str, dict[str, Any]] = {}
     name = selected or DENSE_ONLY
@@ -613,9 +615,14 @@ def _other_protocols(
     with Progress(len(runnable), f"law fit: {name} held out under {', '.join(runnable)}",
                   unit="protocol") as bar:
         for other in runnable:
-            results, failed = evaluate(frame, other, law, dense_fits, REFERENCE, rng, ln_paired)
-            out[other] = results[name].metrics if name in results else {
-                "failed": failed.get(name, "no held-out result")}
+            try:
+                results, failed = evaluate(frame, other, law, dense_fits, REFERENCE, rng,
+                                           ln_paired)
+            except UserError as err:  # a fold too small to refit the dense law on
+                out[other] = {"not_applicable": str(err)}
+            else:
+                out[other] = results[name].metrics if name in results else {
+                    "failed": failed.get(name, "no held-out result")}
             bar.update(1)
     return out
 
@@ -1001,27 +1008,39 @@ def predict_samples(fit: LawFit, frame: pd.DataFrame) -> Prediction:
     return Prediction(used, ln_dense, terms, ln_point, ln_samples, ln_dense_samples, in_range)
 
 
+def predicts_losses(fit: LawFit) -> bool:
+    """Whether ``fit`` predicts losses (it has a dense law) or only differences from
+    dense: a paired-baseline law fitted on dense runs of one size measures each
+    routed run against its partner's observed loss, so it knows ln L(routed) -
+    ln L(dense) at a configuration but not L itself."""
+    return bool(fit.dense)
+
+
 def predict(fit: LawFit, rows: pd.DataFrame) -> pd.DataFrame:
     """One prediction per row: loss with 95% interval, dense loss, delta and its three terms.
 
     Rows need ``params_active`` and ``tokens``; ``stride``/``capacity`` default to
     dense and ``context`` to the law's only context. The interval is the 2.5-97.5
     percentile of the bootstrap draws of the whole law (dense and delta paired).
+    A law without a dense law (:func:`predicts_losses` false) predicts the
+    difference instead: ``delta`` = ln L(routed) - ln L(FLOP-matched dense) with
+    its interval ``delta_lo``/``delta_hi`` (0 on dense rows), and no loss columns.
     """
     frame = validate(rows, need_loss=False).frame
-    if not fit.dense:
-        raise UserError(
-            "the law has no dense law (fitted with the paired baseline on dense runs of one"
-            " size), so it predicts no losses; `xmod recommend` compares configurations with it"
-        )
     p = predict_samples(fit, frame)
-    ci = interval(np.exp(p.ln_samples), np.exp(p.ln_point))
     out = frame[["params_active", "tokens", "context", "stride", "capacity", "rho"]].copy()
     out["law_context"] = p.law_context
-    out["pred_loss"] = np.exp(p.ln_point)
-    out["lo"], out["hi"] = ci[:, 0], ci[:, 1]
-    out["dense_loss"] = np.exp(p.ln_dense)
-    out["delta"] = p.ln_point - p.ln_dense
+    delta = p.ln_point - p.ln_dense
+    if predicts_losses(fit):
+        ci = interval(np.exp(p.ln_samples), np.exp(p.ln_point))
+        out["pred_loss"] = np.exp(p.ln_point)
+        out["lo"], out["hi"] = ci[:, 0], ci[:, 1]
+        out["dense_loss"] = np.exp(p.ln_dense)
+        out["delta"] = delta
+    else:
+        ci = interval(p.ln_samples - p.ln_dense_samples, delta)
+        out["delta"] = delta
+        out["delta_lo"], out["delta_hi"] = ci[:, 0], ci[:, 1]
     for name in TERMS:
         out[f"{name}_term"] = p.terms[name]
     out["in_range"] = p.in_range
