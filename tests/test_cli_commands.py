@@ -54,3 +54,46 @@ def test_generate_from_trained_run(tiny_data_dir: Path, tmp_path: Path,
     rows = [json.loads(line) for line in first.splitlines()]
     assert [r["prompt"] for r in rows] == ["The ship", "A king was"]
     assert main(["generate", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+
+
+def _commands(parser, prefix=()):
+    """(command words, parser) of every leaf command of ``parser``."""
+    import argparse
+
+    nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not nested:
+        yield prefix, parser
+        return
+    for name, sub in nested[0].choices.items():
+        yield from _commands(sub, (*prefix, name))
+
+
+def test_every_option_has_help_every_command_quiet_and_device_auto() -> None:
+    import argparse
+
+    from xmodlm.cli import build_parser
+
+    commands = list(_commands(build_parser()))
+    assert len(commands) >= 19
+    for words, parser in commands:
+        where = f"xmod {' '.join(words)}"
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            text = action.help or ""
+            assert text.replace("(default: %(default)s)", "").strip(), \
+                f"{where} {action.option_strings[0]}: no help text"
+        assert "--quiet" in parser._option_string_actions, f"{where}: no --quiet"
+        device = parser._option_string_actions.get("--device")
+        if device is not None and words[0] != "bench":  # bench times a named device
+            assert device.default in ("auto", None), f"{where}: --device defaults to {device.default}"
+
+
+def test_errors_name_the_subcommand_and_losses_are_rounded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["law", "fit", str(tmp_path / "missing.csv")]) == 2
+    assert capsys.readouterr().err.startswith("xmod law fit: error:")
+    from xmodlm.cli import _rounded
+
+    assert _rounded(7.339908301830292) == "7.3399" and _rounded(None) == "None"

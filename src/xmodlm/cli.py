@@ -115,6 +115,36 @@ def _finite(text: str) -> float:
     return value
 
 
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """argparse type: an integer in [low, high], checked where it is parsed (a negative
+    count or a seed beyond what the generators take would otherwise fail deep inside)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            bound = f"in {low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{text}: must be an integer {bound}")
+        return value
+
+    return parse
+
+
+_seed = _int_in(0, 2**32 - 1)  # what numpy and torch generators both take
+_count = _int_in(1)
+_index = _int_in(0)
+
+
+def _positive(text: str) -> float:
+    """argparse type: a finite number > 0 (rates, sizes, budgets)."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be > 0")
+    return value
+
+
 def _check_device(name: str) -> str:
     """``--device`` of eval, generate, show-routing and lm-eval: cpu, cuda, cuda:N or auto,
     and CUDA only where it is available."""
@@ -259,10 +289,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         print(
             f"{args.out}: {summary['status']} after {summary['steps']} steps,"
-            f" val loss {summary['final_val_loss']} (top-k),"
-            f" {summary['final_val_loss_causal']} (causal), {summary['val_bpb']} bpb"
+            f" val loss {_rounded(summary['final_val_loss'])} (top-k),"
+            f" {_rounded(summary['final_val_loss_causal'])} (causal),"
+            f" {_rounded(summary['val_bpb'])} bpb"
         )
     return {"ok": 0, "interrupted": 130}.get(summary["status"], 1)
+
+
+def _rounded(value: Any) -> str:
+    """A loss for people: four decimals (a missing one, say of a run stopped before
+    its first evaluation, as it is)."""
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -361,7 +398,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     result = run_sweep(
         runs, args.out, executor=args.executor, workers=args.workers,
         max_retries=args.max_retries, progress=not args.quiet, eval_args=eval_args(spec),
-        run_set=args.run_set, **options,
+        run_set=args.run_set, name=spec.get("name"), **options,
     )
     path, n_rows, left_out = write_results(args.out)
     print(f"{result['ran']} ran, {result['skipped']} already done, {result['failed']} failed,"
@@ -706,7 +743,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="build the default corpus (or your files): splits, BPE tokenizer, token files",
     )
     p.add_argument("--out", default="data/corpus", help="output directory (default data/corpus)")
-    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="tokens of the BPE tokenizer trained on the corpus")
     p.add_argument("--text", nargs="+", metavar="PATH", help="plain-text files or directories")
     p.add_argument("--jsonl", nargs="+", metavar="PATH", help="JSONL files with a 'text' field")
     p.add_argument("--parquet", nargs="+", metavar="PATH", help="Parquet files with a 'text' column")
@@ -721,7 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="your own Hugging Face tokenizer.json, used as it is (no BPE training;"
                    " --vocab-size is ignored)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the document split")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the document split")
     p.add_argument("--force", action="store_true",
                    help="rebuild --out even though it holds a corpus prepared with other settings"
                    " (runs trained on that corpus can then no longer be evaluated)")
@@ -749,7 +787,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/sweep", help="sweep directory")
     from xmodlm.sweep.runner import EXECUTORS
 
-    p.add_argument("--executor", default="local", choices=list(EXECUTORS))
+    p.add_argument("--executor", default="local", choices=list(EXECUTORS),
+                   help="where runs train: this machine, a Ray cluster or Slurm")
     p.add_argument("--workers", type=int, default=1, help="concurrent runs (local executor)")
     p.add_argument("--max-retries", type=int, default=2, help="retries of a failed run")
     p.add_argument("--data", default=None, help="data directory (overrides the spec)")
@@ -779,12 +818,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text (repeat for several prompts in one batch)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     p.add_argument("--temperature", type=_finite, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=_finite, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens only")
+    p.add_argument("--top-p", type=_finite, default=None,
+                   help="sample from the smallest set of tokens holding this probability")
+    p.add_argument("--seed", type=_seed, default=None, help="sampling seed (default: random)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
 
@@ -806,14 +847,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="held-out losses, routing statistics, downstream tasks")
     p.add_argument("run_dir")
     p.add_argument("--data", default=None, help="data directory (default: the run's)")
-    p.add_argument("--split", default="test")
+    p.add_argument("--split", default="test", help="held-out split to score: val or test")
     p.add_argument("--tasks", default="cloze,minimal_pairs", help="comma-separated; '' for none")
-    p.add_argument("--max-items", type=int, default=200)
+    p.add_argument("--max-items", type=_count, default=200, help="items per downstream task")
     p.add_argument("--batches", type=int, default=8, metavar="N",
                    help="evaluation batches of the run's batch size (at most what the split"
                         " holds); more for tighter routed fractions (default: 8)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
     p.set_defaults(func=cmd_eval)
@@ -826,8 +868,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="data directory (default: the run's)")
     p.add_argument("--tokens", type=int, default=None, metavar="N",
                    help="training tokens to calibrate on (default: as training does)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser(
@@ -837,28 +880,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", required=True,
                    help="comma-separated harness task names; offline: xmod_cloze,"
                         "xmod_minimal_pairs,xmod_cloze_gen,xmod_heldout")
-    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--num-fewshot", type=_index, default=None,
+                   help="examples in each prompt (default: the task's own)")
     p.add_argument("--limit", type=_finite, default=None,
                    help="at most N documents per task (or a fraction if below 1)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=_count, default=16, help="sequences scored at once")
     p.add_argument("--include-path", default=None, help="a directory of extra task YAMLs")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default newest)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--step", type=_index, default=None, help="checkpoint step (default newest)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="dtype the model is scored in")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the harness (few-shot draws)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
     p.add_argument("--out", default=None, help="also write the JSON record here")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
     p.set_defaults(func=cmd_lm_eval)
 
     p = sub.add_parser("show-routing", help="picture of which tokens the sparse blocks took")
     p.add_argument("run_dir")
-    p.add_argument("--text", required=True)
+    p.add_argument("--text", required=True, help="the text whose routing is drawn")
     p.add_argument("--out", required=True, help="PNG (an HTML page is written beside it)")
     p.add_argument("--training-plots", default=None, metavar="DIR",
                    help="also plot coverage, depth histogram and overlap from metrics.jsonl")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
     p.set_defaults(func=cmd_show_routing)
 
     p = sub.add_parser("plot", help="loss curves (train, validation under both routings) of runs")
@@ -879,7 +926,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave-cell-out | top-compute | longest-context")
     p.add_argument("--n-boot", type=int, default=1000,
                    help="bootstrap replicates (at least 100; default 1000)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the bootstrap")
     p.add_argument("--loss", default="causal", choices=["causal", "topk"],
                    help="validation loss to fit (default causal: what decoding gets)")
     p.add_argument("--min-steps", type=int, default=1000,
@@ -889,7 +936,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default="law", choices=["law", "paired"],
                    help="what each sparse run's delta is measured against: the dense law at its"
                    " own size (law, default) or its FLOP-matched dense run (paired)")
-    p.add_argument("--lr", type=float, default=None,
+    p.add_argument("--lr", type=_positive, default=None,
                    help="fit the runs at this peak learning rate (default: the most common)")
     p.add_argument("--out", default=None, help="write the fit JSON here (for predict/recommend)")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
@@ -902,21 +949,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = law_sub.add_parser("predict", help="predict losses for the rows of a table")
     p.add_argument("fit", help="fit JSON from `xmod law fit --out`")
     p.add_argument("--input", required=True, help="table of configurations (CSV or Parquet)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_law_predict)
 
     p = sub.add_parser("recommend", help="which routing configuration to train, by the law")
     p.add_argument("--compute", type=_finite, required=True, help="training FLOPs C")
-    p.add_argument("--context", type=int, required=True, help="context length T")
+    p.add_argument("--context", type=_count, required=True, help="context length T")
     p.add_argument("--active-params", type=_finite, required=True, help="N_ae of the backbone")
-    p.add_argument("--max-total-params", type=_finite, default=None)
+    p.add_argument("--max-total-params", type=_finite, default=None,
+                   help="largest total parameter count a candidate may have")
     p.add_argument("--vocab-size", type=int, default=4096,
                    help="vocabulary of the models compared (it sets the LM head's FLOPs)")
     p.add_argument("--law", default=None, help="fit JSON (default: the shipped fit)")
     p.add_argument("--loss", default=None, choices=["causal", "topk"],
                    help="the loss to optimise; the law must have been fitted on it"
                    " (default: the law's own, causal unless its table had only top-k)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_recommend)
 
     p = sub.add_parser("report", help="written report of a sweep: sparse vs FLOP-matched dense, law")
@@ -929,11 +977,12 @@ def build_parser() -> argparse.ArgumentParser:
                         " the FLOP-matched pairing); repeatable")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("bench", help="speed figures, measured side by side in one process")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="device the figures are measured on")
     p.add_argument("--quick", action="store_true",
                    help="smoke mode, under a minute: few rounds, no compile, bench size shrunk")
     p.add_argument("--sizes", default=None, metavar="LIST",
@@ -954,7 +1003,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-decode", action="store_true", help="skip the decode timing")
     p.add_argument("--no-widths", action="store_true",
                    help="skip the width scan (X-MoD over dense at widths 128-1024, one thread)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser(
@@ -965,7 +1014,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute", type=_finite, default=1.6e13, help="training FLOPs per model")
     p.set_defaults(func=cmd_demo)
 
+    _quiet_everywhere(sub)
     return parser
+
+
+def _quiet_everywhere(sub: argparse._SubParsersAction) -> None:
+    """Every command takes ``--quiet``: a script can pass it to any of them. Those
+    that show no progress of their own accept it (main silences progress anywhere)."""
+    for parser in sub.choices.values():
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            _quiet_everywhere(nested[0])
+        elif "--quiet" not in parser._option_string_actions:
+            parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def _one_line(text: str) -> str:
@@ -1016,7 +1077,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # --help (0) or an argument the parser rejected (2)
         return exit_.code if isinstance(exit_.code, int) else 2
     handler: Handler = args.func
-    name = f"xmod {args.command}"
+    nested = getattr(args, f"{args.command}_command", None)  # xmod law fit, xmod data prepare
+    name = f"xmod {args.command}" + (f" {nested}" if nested else "")
     from xmodlm.progress import set_enabled
 
     progress_was = set_enabled(not getattr(args, "quiet", False))
