@@ -128,7 +128,7 @@ def test_transformers_loads_export_and_generates_like_xmod(
     transformers = pytest.importorskip("transformers")
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
-    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported, trust_remote_code=True)
     model, tok = xmodlm.load_pretrained(run_dir)
     ids = tok.encode(PROMPT)
     assert hf_tok(PROMPT)["input_ids"] == ids
@@ -197,19 +197,9 @@ def test_modeling_file_runs_every_depth_router_kind() -> None:
 
 def _twin(model: torch.nn.Module, tokenizer_vocab: int | None = None) -> torch.nn.Module:
     """The transformers model of ``model`` (same weights), built in-process."""
-    from types import SimpleNamespace
+    from xmodlm.export import transformers_model
 
-    from xmodlm.config import Config
-    from xmodlm.export import export_config
-    from xmodlm.hf import XModConfig, XModForCausalLM
-
-    tok = SimpleNamespace(vocab_size=tokenizer_vocab or model.cfg.vocab_size, eot_id=0)
-    source = {"run": "r", "run_config_sha256": "0" * 64, "checkpoint": "c", "step": 0,
-              "config_name": "t"}
-    config = export_config(Config(model=model.cfg), tok, source)
-    twin = XModForCausalLM(XModConfig(**config)).eval()
-    twin.load_state_dict(model.state_dict(), strict=True)
-    return twin
+    return transformers_model(model, tokenizer_vocab)
 
 
 def _varied(**changes: object) -> torch.nn.Module:
@@ -489,7 +479,7 @@ try:
 except ValueError:
     without_trust = "refused"
 model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
-tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+tok = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=True)
 batch = tok(prompts, return_tensors="pt", padding=True)
 out = model.generate(**batch, max_new_tokens=n, do_sample=False, use_cache=True)
 eot = model.config.eos_token_id

@@ -135,6 +135,23 @@ def export_config(
     }
 
 
+def transformers_model(model: Any, tokenizer_vocab_size: int | None = None) -> Any:
+    """The ``transformers`` model (:class:`xmodlm.hf.XModForCausalLM`) of a loaded
+    :class:`xmodlm.model.Transformer`, with its weights, in eval mode, without
+    writing a folder; ``tokenizer_vocab_size``: ids at or above it get -inf logits.
+    Needs ``transformers`` (the ``hf`` extra)."""
+    from types import SimpleNamespace
+
+    from xmodlm.hf import XModConfig, XModForCausalLM
+
+    tok = SimpleNamespace(vocab_size=tokenizer_vocab_size or model.cfg.vocab_size, eot_id=None)
+    source = {"run": "", "run_config_sha256": "", "checkpoint": "", "step": 0, "config_name": ""}
+    config = export_config(Config(model=model.cfg), tok, source)
+    hf = XModForCausalLM(XModConfig(**config))
+    hf.load_state_dict(model.state_dict(), strict=True)
+    return hf.eval()
+
+
 def export_run(
     run_dir: str | Path,
     out: str | Path,

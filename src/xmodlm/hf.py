@@ -7,7 +7,7 @@ installed or not::
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
-    tok = AutoTokenizer.from_pretrained(DIR, padding_side="left")
+    tok = AutoTokenizer.from_pretrained(DIR, padding_side="left", trust_remote_code=True)
     batch = tok(["The whale", "A ship"], return_tensors="pt", padding=True)
     out = model.generate(**batch, max_new_tokens=20, do_sample=False)
 

@@ -64,7 +64,7 @@ def model_card(run: Path, cfg: Config, model: Any, config: dict[str, Any]) -> st
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         'model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)',
-        'tok = AutoTokenizer.from_pretrained("PATH", padding_side="left")',
+        'tok = AutoTokenizer.from_pretrained("PATH", padding_side="left", trust_remote_code=True)',
         'batch = tok(["The whale"], return_tensors="pt", padding=True)',
         "print(tok.decode(model.generate(**batch, max_new_tokens=30, do_sample=False)[0]))",
         "```",
