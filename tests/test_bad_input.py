@@ -188,6 +188,11 @@ def world(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     sweep = root / "sweep" / "runs"
     sweep.mkdir(parents=True)
     w["sweep"] = str(root / "sweep")
+    (root / "other_sweep" / "runs" / "0123456789ab").mkdir(parents=True)  # another spec's run
+    (root / "other_sweep" / "sweep.json").write_text('{"name": "other"}')
+    w["other_sweep"] = str(root / "other_sweep")
+    (root / "old_sweep" / "runs" / "0123456789ab").mkdir(parents=True)  # from before sweep.json
+    w["old_sweep"] = str(root / "old_sweep")
     return w
 
 
@@ -291,6 +296,8 @@ CASES: list[tuple[str, list[str], int]] = [
     ("sweep --max-retries -1", [*S, "{spec_good}", "--out", "{new}", "--max-retries", "-1"], 2),
     ("sweep --executor banana", [*S, "{spec_good}", "--executor", "banana"], 2),
     ("sweep --out a file", [*S, "{spec_good}", "--out", "{file}"], 2),
+    ("sweep into another sweep's --out", [*S, "{spec_good}", "--out", "{other_sweep}", "--quiet"], 2),
+    ("sweep into an older sweep's --out", [*S, "{spec_good}", "--out", "{old_sweep}", "--quiet"], 2),
     ("sweep --out under a file", [*S, "{spec_good}", "--out", "{file}/s"], 2),
     # results
     ("results missing sweep", ["results", "{root}/nowhere"], 2),
@@ -378,6 +385,61 @@ CASES: list[tuple[str, list[str], int]] = [
     ("report --out a file", ["report", "{table}", "--out", "{file}"], 2),
     ("report --out under a file", ["report", "{table}", "--out", "{file}/rep"], 2),
     ("report missing table", ["report", "{root}/missing.csv", "--out", "{new}"], 2),
+    # numbers range-checked where they are parsed: seeds, counts, rates
+    ("data prepare --seed -1", ["data", "prepare", "--out", "{new}", "--seed", "-1"], 2),
+    ("data prepare --seed 2^40", ["data", "prepare", "--out", "{new}", "--seed", "1099511627776"], 2),
+    ("data prepare --seed abc", ["data", "prepare", "--out", "{new}", "--seed", "abc"], 2),
+    ("generate --seed -1", [*G, "--seed", "-1"], 2),
+    ("generate --seed 1e3", [*G, "--seed", "1e3"], 2),
+    ("generate --seed beyond 32 bits", [*G, "--seed", "99999999999999999999"], 2),
+    ("eval --max-items 0", ["eval", "{run}", "--max-items", "0"], 2),
+    ("eval --max-items -5", ["eval", "{run}", "--max-items", "-5"], 2),
+    ("lm-eval --num-fewshot -1", ["lm-eval", "{run}", "--tasks", "xmod_cloze", "--num-fewshot", "-1"], 2),
+    ("lm-eval --batch-size 0", ["lm-eval", "{run}", "--tasks", "xmod_cloze", "--batch-size", "0"], 2),
+    ("lm-eval --step -2", ["lm-eval", "{run}", "--tasks", "xmod_cloze", "--step", "-2"], 2),
+    ("lm-eval --seed -1", ["lm-eval", "{run}", "--tasks", "xmod_cloze", "--seed", "-1"], 2),
+    ("law fit --seed -1", ["law", "fit", "{table}", "--seed", "-1"], 2),
+    ("law fit --lr nan", ["law", "fit", "{table}", "--lr", "nan"], 2),
+    ("law fit --lr 0", ["law", "fit", "{table}", "--lr", "0"], 2),
+    ("law fit --lr -1e-3", ["law", "fit", "{table}", "--lr", "-1e-3"], 2),
+    ("recommend --context 0", ["recommend", "--compute", "1e15", "--context", "0", "--active-params", "1e6"], 2),
+    ("recommend --context -128", ["recommend", "--compute", "1e15", "--context", "-128", "--active-params", "1e6"], 2),
+    ("recommend --context 1.5", ["recommend", "--compute", "1e15", "--context", "1.5", "--active-params", "1e6"], 2),
+    # config values that name a size, a rate or a count
+    ("info model.vocab_size=-5", [*I, "model.vocab_size=-5"], 2),
+    ("info model.d_model=0", [*I, "model.d_model=0"], 2),
+    ("info model.n_heads=0", [*I, "model.n_heads=0"], 2),
+    ("info model.context=-1", [*I, "model.context=-1"], 2),
+    ("info model.context=1.5", [*I, "model.context=1.5"], 2),
+    ("info model.d_ff=-1", [*I, "model.d_ff=-1"], 2),
+    ("info train.batch_size=-4", [*I, "train.batch_size=-4"], 2),
+    ("info train.grad_accum=0", [*I, "train.grad_accum=0"], 2),
+    ("info train.keep_last=0", [*I, "train.keep_last=0"], 2),
+    ("info train.eval_every=0", [*I, "train.eval_every=0"], 2),
+    ("info model.gating=true", [*I, "model.gating=true"], 2),
+    ("info train.seed=1.5", [*I, "train.seed=1.5"], 2),
+    ("info model.capacity=abc", [*I, "model.capacity=abc"], 2),
+    ("info model.stride=true", [*I, "model.stride=true"], 2),
+    # files in the wrong place, or of the wrong kind
+    ("eval a file as run", ["eval", "{file}", "--tasks", ""], 2),
+    ("calibrate a file as run", ["calibrate", "{file}"], 2),
+    ("show-routing a file as run", ["show-routing", "{file}", "--text", "x", "--out", "{new}.png"], 2),
+    ("lm-eval missing run", ["lm-eval", "{root}/nowhere", "--tasks", "xmod_cloze"], 2),
+    ("plot a file as run", ["plot", "{file}", "--out", "{new}.png"], 2),
+    ("results a file as sweep", ["results", "{file}"], 2),
+    ("law predict fit not JSON", ["law", "predict", "{notjson_json}", "--input", "{table}"], 2),
+    ("law predict fit of another kind", ["law", "predict", "{list_yaml}", "--input", "{table}"], 2),
+    ("law predict missing input", ["law", "predict", "{fit_nan}", "--input", "{root}/none.csv"], 2),
+    ("recommend law not JSON", ["recommend", "--compute", "1e15", "--context", "128",
+                                "--active-params", "1e6", "--law", "{notjson_json}"], 2),
+    ("report binary table", ["report", "{binary_csv}", "--out", "{new}"], 2),
+    ("report --law not JSON", ["report", "{table}", "--out", "{new}", "--law", "{notjson_json}"], 2),
+    ("train a directory as config", ["train", "{dir_yaml}", "--out", "{new}"], 2),
+    ("train --device banana", [*T, "--device", "banana"], 2),
+    ("sweep --data missing", [*S, "{spec_good}", "--out", "{new}", "--data", "{root}/nowhere", "--quiet"], 2),
+    ("sweep --executor-opt without =", [*S, "{spec_good}", "--executor-opt", "folder"], 2),
+    ("sweep --run-set of what is trained", [*S, "{spec_good}", "--out", "{new}", "--run-set", "train.lr=1"], 2),
+    ("sweep --rate-from without runs", [*S, "{spec_good}", "--dry-run", "--rate-from", "{root}"], 2),
     # bench, demo
     ("bench --reps -1", ["bench", "--quick", "--reps", "-1"], 2),
     ("bench --reps 0", ["bench", "--quick", "--reps", "0"], 2),
@@ -390,6 +452,8 @@ CASES: list[tuple[str, list[str], int]] = [
 
 
 MUST_SAY = {  # cases whose one line must name this cause (not merely some error)
+    "sweep into another sweep's --out": "holds the runs of sweep 'other', not 't'",
+    "sweep into an older sweep's --out": "none of them of this spec",
     **{f"{cmd} an export folder": "is an export" for cmd in ("eval", "calibrate", "show-routing",
                                                              "lm-eval")},
     "law fit causal loss n/a": "row 1: val_loss_causal=nan",
@@ -397,6 +461,9 @@ MUST_SAY = {  # cases whose one line must name this cause (not merely some error
     "law fit causal loss -5": "row 1: val_loss_causal=-5",
     "law fit causal loss text": "row 1: val_loss_causal='low'",
     "law predict NaN parameter": "alpha is nan",
+    "generate --seed beyond 32 bits": "0..4294967295",
+    "law fit --lr nan": "finite",
+    "recommend --context 0": ">= 1",
     "law predict inf parameter": "alpha is inf",
     "recommend NaN parameter": "alpha is nan",
     "sweep vocabulary below the data's, once up front": "model.vocab_size 200, below",

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from xmodlm.config import Config
 
 ERROR_TAIL_LINES = 20
+SWEEP_FILE = "sweep.json"  # OUT/sweep.json: the name of the spec whose runs OUT holds
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 INTERRUPTED_CODES = frozenset({130, 143, -signal.SIGINT, -signal.SIGTERM})
 """Exit statuses of a child stopped by SIGINT or SIGTERM: ``xmod`` says 130 (it
@@ -295,6 +296,35 @@ def run_state(run_dir: Path, needs_eval: bool = False) -> tuple[str, int]:
     return ("failed" if attempts else "pending"), attempts
 
 
+def claim_out(out: Path, name: str | None, runs: list[RunSpec]) -> None:
+    """Refuse a sweep folder that holds another spec's runs; record this spec's name.
+
+    Two specs in one folder would mix their runs in one ``results.csv``. The folder
+    says whose it is in ``sweep.json`` (a changed spec of the same name, with more
+    seeds or budgets, is the same sweep). A folder from before that file is another
+    sweep's when it holds runs and none of them is one of these.
+    """
+    marker = out / SWEEP_FILE
+    try:
+        owner = json.loads(marker.read_text()).get("name") if marker.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        owner = None
+    existing = {d.name for d in (out / "runs").iterdir() if d.is_dir()} \
+        if (out / "runs").is_dir() else set()
+    if owner is not None and name is not None and owner != name:
+        raise UserError(
+            f"--out {str(out)!r} holds the runs of sweep {owner!r}, not {name!r}: give another"
+            f" --out (both in one folder would mix in one results.csv)"
+        )
+    if owner is None and existing and not existing & {r.run_id for r in runs}:
+        raise UserError(
+            f"--out {str(out)!r} holds {len(existing)} runs, none of them of this spec: it is"
+            " another sweep's folder; give another --out"
+        )
+    if name is not None and owner is None:
+        atomic_write_json(marker, {"name": name})
+
+
 def adopt_earlier_runs(runs: list[RunSpec], runs_dir: Path) -> list[RunSpec]:
     """The runs, each under the id of an earlier run directory that is the same run.
 
@@ -434,9 +464,13 @@ def run_sweep(
     progress: bool = True,
     eval_args: tuple[str, ...] = (),
     run_set: Sequence[str] = (),
+    name: str | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Run every unfinished run of a sweep; return counts and each run's outcome.
+
+    ``name``: the spec's name, recorded in ``OUT/sweep.json``; a folder holding
+    another sweep's runs is refused (:func:`claim_out`).
 
     ``eval_args``: ``xmod eval`` options (:func:`xmodlm.sweep.spec.eval_args`); each
     run's final checkpoint is then evaluated right after training, into
@@ -457,12 +491,13 @@ def run_sweep(
     engine = make_executor(executor, workers, **options)
     check_data(runs)
     out = Path(out_dir)
+    runs = adopt_earlier_runs(runs, out / "runs")
+    claim_out(out, name, runs)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
     workers = max(1, workers or 1)
     threads = max(1, cores // workers)
     todo, done, to_run = [], 0, {}
-    runs = adopt_earlier_runs(runs, out / "runs")
     for r in runs:
         state, attempts = run_state(out / "runs" / r.run_id, needs_eval=bool(eval_args))
         if state == "done":
