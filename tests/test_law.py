@@ -386,6 +386,22 @@ def test_recommend_warns_on_extrapolation(sparse_helps: LawFit) -> None:
     assert "compute 1e+22" in text and "context 8192" in text and "active_params" in text
 
 
+def test_recommend_names_each_input_outside_the_fit(sparse_helps: LawFit) -> None:
+    """A candidate outside the fitted capacities (c = 1/16 when the fit saw 1/8-1/2) is
+    marked along that axis, and only there; one inside every range is not marked."""
+    fitted = sparse_helps.ranges
+    out = recommend(1e17, 1024, 1e7, law=sparse_helps, strides=(4,), capacities=(0.0625, 0.125))
+    by_c = {c["capacity"]: c for c in out["candidates"]}
+    assert fitted["capacity"][0] > 0.0625 >= 0
+    assert [w.split(" ")[0] for w in by_c[0.0625]["outside"]] == ["capacity"]
+    assert by_c[0.0625]["extrapolated"] and not by_c[0.125]["outside"]
+    assert "capacity (1)" in " ".join(out["warnings"])
+    # the reason speaks of its configuration's axes when that one is outside
+    picked = out["best"] or max(out["candidates"], key=lambda e: e["p_beats_dense"])
+    if picked["outside"]:
+        assert "capacity 0.0625 outside" in out["reason"]
+
+
 def test_recommend_uses_the_shipped_law() -> None:
     """Without --law the shipped micro-law fit answers, says so, and flags extrapolation."""
     inside = recommend(1e12, 128, 3e5)

@@ -28,6 +28,11 @@
    the delta law's flags block (the dense law's are a warning about the
    absolute losses).
 
+6. Every candidate names the inputs at which it lies outside what the law was
+   fitted on (:func:`outside_fit`: stride, capacity, rho, context, compute,
+   N_ae, D), and the reason repeats them for the configuration it speaks of: an
+   answer there is an extrapolation, and the user is told along which axis.
+
 The law predicts the validation loss it was fitted on, the causal-routing loss
 by default (what decoding gets); the answer names it.
 """
@@ -218,9 +223,15 @@ def recommend(
                 "vs_dense": float(ln_point[i] - ln_point[0]),
                 "p_beats_dense": float(beats[i]) if i else None,
                 "p_routing_helps": float(helps[i]) if i else None,
-                "extrapolated": not bool(pred.in_range[i]),
+                "outside": outside_fit(fit.ranges, {
+                    "stride": cfg.stride, "capacity": cfg.capacity,
+                    "rho": float(frame["rho"].iloc[i]), "context": int(context),
+                    "compute": compute, "params_active": k.params_active,
+                    "tokens": float(frame["tokens"].iloc[i]),
+                }),
             }
         )
+        entries[-1]["extrapolated"] = bool(entries[-1]["outside"]) or not bool(pred.in_range[i])
     dense_entry, candidates = entries[0], sorted(entries[1:], key=lambda e: e["vs_dense"])
     winners = [
         e
@@ -265,6 +276,39 @@ def recommend(
     }
 
 
+# the inputs checked against the fitted ranges: (key in LawFit.ranges, name, format)
+RANGE_AXES = (
+    ("stride", "stride", "g"), ("capacity", "capacity", "g"), ("rho", "rho", ".3g"),
+    ("context", "context", "d"), ("compute", "compute", ".3g"),
+    ("params_active", "N_ae", ".3g"), ("tokens", "D", ".3g"),
+)
+SPARSE_AXES = {"stride", "capacity", "rho"}  # ranges of the sparse runs only
+
+
+def outside_fit(ranges: dict[str, Any], point: dict[str, float]) -> list[str]:
+    """Each input of ``point`` outside the law's fitted ``ranges``, as "capacity 0.0625
+    outside [0.125, 0.5]". Contexts are a set (a context between two fitted ones is
+    outside too: the nearest one's dense law answers); stride, capacity and rho are
+    checked only for a sparse point (stride > 1 and capacity < 1)."""
+    sparse = point.get("stride", 1) > 1 and point.get("capacity", 1.0) < 1
+    out = []
+    for key, name, fmt in RANGE_AXES:
+        if key in SPARSE_AXES and not sparse:
+            continue
+        span, value = ranges.get(key), point.get(key)
+        if span is None or value is None:
+            if key in SPARSE_AXES:
+                out.append(f"{name} {format(value, fmt)}: no sparse runs fitted")
+            continue
+        if key == "context":
+            if int(value) not in span:
+                out.append(f"context {int(value)} not among the fitted {list(span)}")
+        elif not span[0] * (1 - 1e-9) <= value <= span[1] * (1 + 1e-9):
+            out.append(f"{name} {format(value, fmt)} outside [{format(span[0], fmt)},"
+                       f" {format(span[1], fmt)}]")
+    return out
+
+
 def _answer(best: dict[str, Any] | None) -> str:
     if best is None:
         return "train dense"
@@ -294,6 +338,7 @@ def _reason(
             f"no configuration beats dense with P >= {threshold:g}; the most likely,"
             f" stride {top['stride']} capacity {top['capacity']:g}, does with"
             f" P = {min(top['p_beats_dense'], top['p_routing_helps']):.2f}"
+            + (f" (an extrapolation: {'; '.join(top['outside'])})" if top["outside"] else "")
         )
         smaller = [e for e in candidates if e["p_beats_dense"] >= threshold]
         if smaller:
@@ -305,7 +350,8 @@ def _reason(
                 " of its size is the better bet"
             )
         return why
-    caveat = " (outside the fitted ranges: an extrapolation)" if best["extrapolated"] else ""
+    caveat = (f" (an extrapolation: {'; '.join(best['outside'])})" if best["outside"] else
+              " (outside the fitted ranges: an extrapolation)" if best["extrapolated"] else "")
     by = (f"predicted loss {best['loss']:.4g} vs {dense['loss']:.4g} for dense"
           if best["loss"] is not None else f"predicted {best['vs_dense']:+.4f} in ln L against dense")
     return (
@@ -351,8 +397,15 @@ def _warnings(
         )
     outside = sum(e["extrapolated"] for e in entries)
     if outside:
+        axes: dict[str, int] = {}
+        for e in entries:
+            for what in e["outside"]:
+                name = what.split(" ", 1)[0]
+                axes[name] = axes.get(name, 0) + 1
+        by_axis = ", ".join(f"{name} ({n})" for name, n in axes.items())
         out.append(
-            f"{outside} of {len(entries)} configurations lie outside the fitted N_ae, D, stride or"
-            " capacity ranges (marked extrapolated)"
+            f"{outside} of {len(entries)} configurations lie outside the fitted ranges"
+            + (f", by input: {by_axis}" if by_axis else "") + " (each marked extrapolated,"
+            " with its inputs outside in 'outside')"
         )
     return out
