@@ -62,3 +62,18 @@ def test_difference_of_minima_recovers_the_offset() -> None:
     assert lo < -0.05 < hi and vs["resolved"] and vs["both_bracketed"]
     # two sizes only: no profile at all
     assert isoflop(_runs("dense", 4.0, 4e5, sizes=SIZES[:2]), ("family",), n_boot=10) == []
+
+
+def test_equal_size_compares_each_routed_size_with_the_dense_parabola_there() -> None:
+    """X-MoD 0.03 behind a dense profile at every size: each routed size inside the
+    dense range reads +0.03 (interval covering it); sizes outside are not compared."""
+    dense = _runs("dense", 4.0, 4e5, seed=3, noise=0.005)
+    xmod = _runs("xmod", 4.03, 4e5, sizes=[5e4, 2e5, 4e5, 8e5], seed=4, noise=0.005)
+    (entry,) = isoflop(pd.concat([dense, xmod]), ("family", "stride", "capacity"), n_boot=400)
+    (vs,) = entry["vs_dense"]
+    got = {q["params_active"]: q for q in vs["equal_size"]}
+    assert sorted(got) == [2e5, 4e5, 8e5]  # 5e4 lies below the dense sizes tried
+    for q in got.values():
+        assert q["minus"] == pytest.approx(0.03, abs=0.015)
+        assert q["ci95"][0] < 0.03 < q["ci95"][1]
+        assert q["tokens_per_param"] == pytest.approx(3e13 / 6 / q["params_active"] ** 2)

@@ -28,6 +28,12 @@ vertex is an extrapolation (reported, flagged).
 Differences of minima (best X-MoD minus best dense, best MoE minus best dense)
 are the differences of the two profiles' replicates, paired by replicate index
 (the profiles' runs are independent draws), with a 95% percentile interval.
+
+At *equal active size* a routed size is compared with dense of the same N at the
+same budget: its mean loss minus the dense parabola at its ln N (only inside the
+dense sizes tried: the parabola is not extrapolated), with the same replicate
+pairing. Set against the routed run's tokens per parameter, it says where in the
+data regime routing pays, apart from where each family's minimum lies.
 """
 
 from __future__ import annotations
@@ -62,16 +68,28 @@ class Profile:
         return float(np.sqrt(sum(float((d**2).sum()) for d in dev) / dof)) if dof else None
 
 
-def fit_parabola(ln_n: np.ndarray, loss: np.ndarray, weight: np.ndarray) -> tuple[float, float, float]:
-    """Weighted least squares of loss = c0 + c1 x + c2 x^2 in x = ln N (centred for
-    conditioning); returns (curvature a, ln N*, L*). a <= 0: no minimum (ln N* and
-    L* are then NaN)."""
+def parabola_coefs(ln_n: np.ndarray, loss: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Weighted least squares of loss = c0 + c1 x + c2 x^2 in x = ln N - x0, x0 the
+    weighted mean of ln N (centred for conditioning): (x0, c0, c1, c2)."""
     x0 = float(np.average(ln_n, weights=weight))
     x = ln_n - x0
     design = np.stack([np.ones_like(x), x, x**2], axis=1)
     sw = np.sqrt(weight)
     coef, *_ = np.linalg.lstsq(design * sw[:, None], loss * sw, rcond=None)
-    c0, c1, c2 = (float(c) for c in coef)
+    return np.array([x0, *coef])
+
+
+def parabola_at(coefs: np.ndarray, ln_n: float) -> np.ndarray:
+    """The parabola(s) of :func:`parabola_coefs` (one row, or one per replicate) at ln N."""
+    x0, c0, c1, c2 = np.moveaxis(np.asarray(coefs), -1, 0)
+    x = ln_n - x0
+    return c0 + c1 * x + c2 * x**2
+
+
+def fit_parabola(ln_n: np.ndarray, loss: np.ndarray, weight: np.ndarray) -> tuple[float, float, float]:
+    """:func:`parabola_coefs`, as (curvature a, ln N*, L*). a <= 0: no minimum (ln N*
+    and L* are then NaN)."""
+    x0, c0, c1, c2 = (float(c) for c in parabola_coefs(ln_n, loss, weight))
     if c2 <= 0:
         return c2, float("nan"), float("nan")
     return c2, x0 - c1 / (2 * c2), c0 - c1**2 / (4 * c2)
@@ -85,12 +103,16 @@ def minimum(profile: Profile, n_boot: int = N_BOOT, seed: int = 0) -> dict[str, 
     rng = np.random.default_rng(seed)
     pooled = profile.pooled_sd()
     draws = np.empty((n_boot, 2))
+    mean_draws = np.empty((n_boot, len(profile.sizes)))
+    coef_draws = np.empty((n_boot, 4))
     for b in range(n_boot):
         means = np.array([
             rng.choice(v, len(v)).mean() if len(v) > 1
             else v[0] + (rng.normal(0.0, pooled) if pooled is not None else 0.0)
             for v in profile.losses
         ])
+        mean_draws[b] = means
+        coef_draws[b] = parabola_coefs(ln_n, means, counts)
         _, draws[b, 0], draws[b, 1] = fit_parabola(ln_n, means, counts)
     ok = np.isfinite(draws[:, 1])
     best = int(np.argmin(profile.means))
@@ -114,6 +136,9 @@ def minimum(profile: Profile, n_boot: int = N_BOOT, seed: int = 0) -> dict[str, 
         "bracketed_share": float(ok.mean()),
         "pooled_seed_sd": pooled,
         "_draws": draws[:, 1],
+        "_mean_draws": mean_draws,
+        "_coefs": parabola_coefs(ln_n, profile.means, counts),
+        "_coef_draws": coef_draws,
     }
     if profile.tokens is not None:
         out["tokens_per_param"] = [float(t / n) for t, n in zip(profile.tokens, profile.sizes, strict=True)]
@@ -145,6 +170,29 @@ def difference(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return {"minus": point, "ci95": ci,
             "resolved": bool(ci is not None and (ci[0] > 0 or ci[1] < 0)),
             "both_bracketed": bool(a["bracketed"] and b["bracketed"])}
+
+
+def equal_size(routed: dict[str, Any], dense: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each routed size inside the dense sizes tried: its mean loss minus the dense
+    parabola at its ln N, with the 95% interval of the replicate differences (module
+    docstring), and its tokens per parameter where recorded."""
+    lo, hi = np.log(dense["sizes"][0]), np.log(dense["sizes"][-1])
+    out = []
+    for i, n in enumerate(routed["sizes"]):
+        x = float(np.log(n))
+        if not lo <= x <= hi:
+            continue
+        d = routed["_mean_draws"][:, i] - parabola_at(dense["_coef_draws"], x)
+        ci = _interval(d)
+        out.append({
+            "params_active": float(n),
+            "tokens_per_param": (routed.get("tokens_per_param") or [None] * len(routed["sizes"]))[i],
+            "seeds": routed["seeds"][i],
+            "minus": float(routed["mean_loss"][i] - parabola_at(dense["_coefs"], x)),
+            "ci95": ci,
+            "resolved": bool(ci is not None and (ci[0] > 0 or ci[1] < 0)),
+        })
+    return out
 
 
 def profiles(df: pd.DataFrame, config_keys: tuple[str, ...]) -> list[Profile]:
@@ -188,11 +236,13 @@ def isoflop(df: pd.DataFrame, config_keys: tuple[str, ...], n_boot: int = N_BOOT
         if dense:
             for m in mins:
                 if m is not dense[0]:
-                    entry["vs_dense"].append({"config": m["config"], **difference(m, dense[0])})
+                    entry["vs_dense"].append({"config": m["config"], **difference(m, dense[0]),
+                                              "equal_size": equal_size(m, dense[0])})
         out.append(entry)
     for entry in out:
         for m in entry["minima"]:
-            m.pop("_draws")
+            for key in [k for k in m if k.startswith("_")]:
+                m.pop(key)
     return out
 
 
@@ -225,10 +275,21 @@ def isoflop_markdown(entries: list[dict[str, Any]], config_label: Any) -> list[s
                 f" {'yes' if m['bracketed'] else 'no'} |")
         for d in e["vs_dense"]:
             ci = d["ci95"] or [float("nan")] * 2
-            lines.append(f"\nBest {config_label(tuple(d['config'].values()))} minus best dense:"
+            name = config_label(tuple(d["config"].values()))
+            lines.append(f"\nBest {name} minus best dense:"
                          f" {_num(d['minus'], '+.4f')} [{ci[0]:+.4f}, {ci[1]:+.4f}]"
                          f"{' (resolved)' if d['resolved'] else ''}"
                          f"{'' if d['both_bracketed'] else ' (a minimum not bracketed)'}")
+            if d.get("equal_size"):
+                lines += ["", f"{name} minus dense at equal active size (the dense parabola"
+                          " at the same N):", "",
+                          "| N | tokens / param | seeds | minus dense [95%] |", "|---|---|---|---|"]
+                for q in d["equal_size"]:
+                    qc = q["ci95"] or [float("nan")] * 2
+                    tpp = "-" if q["tokens_per_param"] is None else f"{q['tokens_per_param']:.0f}"
+                    lines.append(f"| {q['params_active']:.3g} | {tpp} | {q['seeds']} |"
+                                 f" {q['minus']:+.4f} [{qc[0]:+.4f}, {qc[1]:+.4f}]"
+                                 f"{' *' if q['resolved'] else ''} |")
         lines.append("")
     return lines
 
