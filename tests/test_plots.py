@@ -3,6 +3,7 @@ key, and the law plots' legend and log-axis labels."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -16,7 +17,9 @@ from xmodlm.law.synthetic import synthetic_runs
 from xmodlm.law.table import validate
 from xmodlm.report import law_plots
 from xmodlm.report.curves import loss_figure, run_curves
+from xmodlm.report.dynamics_plots import depth_hist_figure, residual_rms_figure
 from xmodlm.report.routing_plots import KEY_LABEL_IN, _tick_label, colour_key
+from xmodlm.report.sweep_report import _plot_names
 
 
 def _fake_run(path: Path, sparse: bool) -> Path:
@@ -91,3 +94,56 @@ def test_law_plots_have_plain_log_ticks_and_a_readable_legend(law_fit: tuple) ->
     iso = law_plots._isoflop(fit, frame)
     ticks = _tick_texts(iso, iso.axes[0])
     assert any(t.endswith("M") for t in ticks) and not any("$" in t for t in ticks), ticks
+
+
+def test_law_bootstrap_names_parameters_labels_axes_and_keeps_outliers_off_the_bins(
+    law_fit: tuple,
+) -> None:
+    fit = copy.deepcopy(law_fit[0])
+    g_cap = fit.delta.spec.names.index("g_cap")
+    fit.delta.samples[:2, g_cap] = 50.0  # two refits (2%) in another optimum
+    fig = law_plots._bootstrap(fit)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert "irreducible loss E\n(dense law, context 256)" in titles
+    assert "capacity gain g_cap\n(delta law, base)" in titles
+    assert all(ax.get_xlabel() == "parameter value" for ax in fig.axes)
+    assert fig.axes[0].get_ylabel() == "bootstrap refits"
+    assert "red line: the fit to all runs" in fig.get_suptitle()
+    ax = fig.axes[titles.index("capacity gain g_cap\n(delta law, base)")]
+    bars = ax.containers[0].patches  # the histogram's bins
+    assert max(p.get_x() + p.get_width() for p in bars) < 1.0  # not stretched to 50
+    drawn = int(sum(p.get_height() for p in bars))
+    outside = len(fit.delta.samples) - drawn
+    assert outside >= 2
+    assert [t.get_text() for t in ax.texts] == [f"{outside} outside"]
+    red = [line for line in ax.get_lines() if line.get_color() == "tab:red"]
+    assert red and red[0].get_xdata()[0] == pytest.approx(fit.delta.value[g_cap])
+
+
+def _dyn_group(config: str, tier: float, depth_hist: list[float], se: list[float] | None) -> dict:
+    return {"config": config, "tier": tier, "context": 128, "width": 64,
+            "depth_hist": {"n": 3, "mean": depth_hist, "se": se},
+            "residual_rms_end": {"n": 3, "mean": [1.0, 2.0], "se": None},
+            "residual_rms_init": {"n": 3, "mean": [0.1, 0.1], "se": None}}
+
+
+def test_dynamics_figures_have_one_panel_per_budget_unique_labels_and_se_bars() -> None:
+    configs = [_dyn_group(name, tier, [0.5, 0.3, 0.2, 0.0, 0.0], se)
+               for tier in (1e13, 3e13)
+               for name, se in (("dense L=4", None), ("xmod S=4 L=8", [0.01, 0.02, 0.03, 0, 0]))]
+    groups = [{**c, **_plot_names(c)} for c in configs]
+    for fig in (depth_hist_figure(groups), residual_rms_figure(groups)):
+        assert [ax.get_title() for ax in fig.axes] == [
+            "budget 1e+13 FLOPs, context 128", "budget 3e+13 FLOPs, context 128"]
+        for ax in fig.axes:
+            labels = [t.get_text() for t in ax.get_legend().get_texts()]
+            configs_shown = [x for x in labels if x.startswith(("dense", "xmod"))]
+            assert configs_shown == ["dense L=4 d=64", "xmod S=4 L=8 d=64"], labels
+    fig = depth_hist_figure(groups)
+    assert "error bars +- 1 SE" in fig.get_suptitle()
+    bars = fig.axes[0].containers
+    assert [c.has_yerr for c in bars] == [False, True]  # one seed: no bar; seeds: one SE
+    segments = bars[1].lines[2][0].get_segments()
+    assert [s[1][1] - s[0][1] for s in segments] == pytest.approx([0.02, 0.04, 0.06, 0.0])
+    line = bars[1].lines[0]
+    assert list(line.get_xdata()) == [0, 1, 2, 3]  # empty tail past depth 2 trimmed to one

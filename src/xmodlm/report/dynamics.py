@@ -27,7 +27,8 @@ gate trains stably or keeps the residual stream in check. Per run, from its
 Only logged steps are seen (every ``train.log_every``-th step, and every
 non-finite one), so counts and peaks are of those. The summarising functions
 are pure, on lists of records, so they are tested on hand-written metrics; the
-grouping into configurations is the report's (:mod:`xmodlm.report.sweep_report`).
+grouping into configurations is the report's (:mod:`xmodlm.report.sweep_report`)
+and :mod:`xmodlm.report.dynamics_plots` draws the figures.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from xmodlm.errors import UserError
-from xmodlm.fileio import atomic_savefig
 from xmodlm.train.loggers import read_metrics
 
 if TYPE_CHECKING:
@@ -363,82 +363,3 @@ def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                                       for r in runs])
     out["init_tokens"] = sorted({r["init_tokens"] for r in runs if r.get("init_tokens")})
     return out
-
-
-def plot_residual_rms(groups: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
-    """Residual RMS per block, at init (dashed) and at the end (solid), one colour
-    per configuration (mean over its seeds); None when no group has either.
-
-    ``groups``: dicts with ``label`` and the summaries ``residual_rms_init`` /
-    ``residual_rms_end`` of :func:`summarise`. The y axis is logarithmic: the
-    stream grows by an order of magnitude in training, and a gate's effect is a
-    ratio.
-    """
-    from matplotlib.lines import Line2D
-
-    drawn = [g for g in groups if g.get("residual_rms_init") or g.get("residual_rms_end")]
-    if not drawn:
-        return None
-    fig, ax, colours = _figure(len(drawn))
-    for g, colour in zip(drawn, colours, strict=True):
-        for key, style in (("residual_rms_init", "--"), ("residual_rms_end", "-")):
-            if g.get(key):
-                y = g[key]["mean"]
-                ax.plot(range(len(y)), y, style, color=colour, marker=".",
-                        label=g["label"] if key == "residual_rms_end" or not g.get(
-                            "residual_rms_end") else None)
-    ax.set_yscale("log")
-    ax.set(xlabel="block index", ylabel="residual RMS (mean over seeds)",
-           title="residual stream per block: init (dashed), end of training (solid)")
-    handles, labels = ax.get_legend_handles_labels()
-    handles += [Line2D([], [], color="grey", ls="--"), Line2D([], [], color="grey", ls="-")]
-    labels += ["at init", "at the end"]
-    ax.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    return _save(fig, path)
-
-
-def plot_depth_hist(groups: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
-    """Share of tokens by the number of sparse blocks that processed them (last
-    evaluation, top-k routing), one line per configuration with its standard error
-    over seeds as a band; None when no group has a histogram.
-
-    The mean depth is fixed by the capacity (c times the number of sparse blocks),
-    so what differs between mechanisms is the spread: balancing should narrow it,
-    and a router that sends the same tokens everywhere widens it toward 0 and n.
-    """
-    drawn = [g for g in groups if g.get("depth_hist")]
-    if not drawn:
-        return None
-    fig, ax, colours = _figure(len(drawn))
-    for g, colour in zip(drawn, colours, strict=True):
-        y = np.asarray(g["depth_hist"]["mean"])
-        x = np.arange(len(y))
-        ax.plot(x, y, marker=".", color=colour, label=g["label"])
-        if g["depth_hist"]["se"] is not None:
-            se = np.asarray(g["depth_hist"]["se"])
-            ax.fill_between(x, y - se, y + se, color=colour, alpha=0.2, lw=0)
-    ax.set(xlabel="sparse blocks that processed the token", ylabel="share of tokens",
-           title="sparse depth per token at the last evaluation (mean over seeds +- SE)")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    return _save(fig, path)
-
-
-def _figure(n_lines: int) -> tuple[Any, Any, list[Any]]:
-    """A figure with one axis and a distinct colour for each of ``n_lines`` lines
-    (the Agg canvas, never pyplot: no global figure state, no display needed)."""
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 5))
-    cmap = colormaps["tab20" if n_lines > 10 else "tab10"]
-    return fig, fig.add_subplot(), [cmap(i % cmap.N) for i in range(n_lines)]
-
-
-def _save(fig: Any, path: str | Path) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(fig)
-    atomic_savefig(fig, path, dpi=120, bbox_inches="tight")
-    return path

@@ -6,7 +6,8 @@
   ratio rho, by stride and context, with the selected form's curves;
 * ``law_pred_obs.png``: predicted against observed loss, in-fit runs and
   held-out runs marked apart (a law's training fit proves little);
-* ``law_bootstrap.png``: bootstrap distributions of the main parameters.
+* ``law_bootstrap.png``: bootstrap distributions of the fitted parameters, named
+  for what they are, each with the full-data fit and the 95% interval.
 
 Figures are built with :class:`matplotlib.figure.Figure` (Agg canvas) and never
 through pyplot, so nothing global changes in the caller's process.
@@ -15,6 +16,7 @@ through pyplot, so nothing global changes in the caller's process.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -27,6 +29,7 @@ from xmodlm.fileio import atomic_savefig
 from xmodlm.law import dense
 from xmodlm.law.delta import Features
 from xmodlm.law.fit import LawFit, fitted_runs, paired_baseline, predict_samples
+from xmodlm.law.robust import interval
 
 _MARKERS = "osD^v<>ph*"
 
@@ -176,33 +179,95 @@ def _pred_obs(fit: LawFit, frame: pd.DataFrame) -> Figure:
     return fig
 
 
+BOOT_FENCE = 3.0
+"""The bins of a bootstrap histogram span the 95% interval, widened to the quartiles
++- this many interquartile ranges (Tukey's far fences) where those reach further,
+but never past the samples. A few refits that land in another optimum (a parameter
+at its bound) would otherwise stretch the axis tenfold and crush the rest into one
+bin; they are counted on the panel instead. The interval is always in view, so a
+second mode that moves it (more than 2.5% of the refits) is drawn, not hidden."""
+
+PARAM_LABELS = {
+    "E": "irreducible loss E",
+    "A": "parameter term A",
+    "B": "data term B",
+    "alpha": "parameter exponent alpha",
+    "beta": "data exponent beta",
+    "g_cap": "capacity gain g_cap",
+    "g_ctx": "context correction g_ctx",
+    "g_int": "stride interaction g_int",
+    "kappa": "gain's scale exponent kappa",
+    "r0": "gain's saturation r0",
+    "g_quad": "gain's curvature g_quad",
+}
+"""What each fitted parameter is, for a reader of the plots who has not read
+:mod:`xmodlm.law.dense` and :mod:`xmodlm.law.delta` (the symbol stays, to find
+it in a fit's JSON)."""
+
+
 def _bootstrap(fit: LawFit) -> Figure:
-    """Histograms of bootstrap samples (red: the full-data fit): dense per context, then delta."""
+    """Histograms of the bootstrap samples of every fitted parameter (dense law per
+    context, then the delta law), each with the full-data fit and the 95% interval."""
     panels = []
     for t, law in sorted(fit.dense.items()):
         for i, name in enumerate(dense.NAMES):
-            samples, value = law.samples[:, i], law.value[i]
+            samples, value, title = law.samples[:, i], law.value[i], PARAM_LABELS[name]
             if name in ("A", "B"):  # heavy right tails: read them on a log scale
-                name, samples, value = f"log10 {name}", np.log10(samples), np.log10(value)
-            panels.append((name if t == 0 else f"{name} (T={t})", samples, value))
+                samples, value, title = np.log10(samples), np.log10(value), f"log10 {title}"
+            where = "dense law" if t == 0 else f"dense law, context {t}"
+            panels.append((f"{title}\n({where})", samples, value))
     if fit.delta is not None:
         d = fit.delta
         panels += [
-            (name, d.samples[:, i], d.value[i])
+            (f"{PARAM_LABELS.get(name, name)}\n(delta law, {d.form})", d.samples[:, i], d.value[i])
             for i, name in enumerate(d.spec.names)
             if name not in d.fixed
         ]
-    cols = 5
+    cols = min(5, len(panels))
     rows = -(-len(panels) // cols)
-    fig = Figure(figsize=(3 * cols, 2.4 * rows))
+    fig = Figure(figsize=(3.2 * cols, 2.6 * rows + 0.8), layout="constrained")
+    n_boot = len(panels[0][1]) if panels else 0
     for i, (title, samples, value) in enumerate(panels):
         ax = fig.add_subplot(rows, cols, i + 1)
-        ax.hist(samples, bins=30, color="tab:gray")
-        ax.axvline(value, color="tab:red", lw=1)
+        _boot_panel(ax, np.asarray(samples, dtype=float), float(value))
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=7)
-    fig.tight_layout()
+        if i % cols == 0:
+            ax.set_ylabel("bootstrap refits", fontsize=8)
+        ax.set_xlabel("parameter value", fontsize=8)
+    fig.suptitle(
+        f"bootstrap of the law's parameters: {n_boot} refits on resampled runs\n"
+        "red line: the fit to all runs; shaded: 95% interval; bins span it, widened to the"
+        f" quartiles +- {BOOT_FENCE:g} interquartile ranges; refits beyond are counted, not drawn",
+        fontsize=10,
+    )
     return fig
+
+
+def _boot_panel(ax: Any, samples: np.ndarray, value: float) -> None:
+    """One parameter: its samples binned as :data:`BOOT_FENCE` says (the fit always in
+    view), the full-data fit as a line, the 95% interval shaded, and how many samples
+    fell outside the bins."""
+    finite = samples[np.isfinite(samples)]
+    lo = hi = value
+    if len(finite):
+        ci = interval(finite, np.asarray(value))  # the interval the fit's JSON reports
+        q1, q3 = np.percentile(finite, (25, 75))
+        spread = BOOT_FENCE * (q3 - q1)
+        lo = min(max(q1 - spread, finite.min()), ci[0])
+        hi = max(min(q3 + spread, finite.max()), ci[1])
+        ax.axvspan(*ci, color="tab:blue", alpha=0.12, lw=0)
+    if hi <= lo:  # a parameter pinned at one value: give its single bin some width
+        pad = abs(lo) * 0.05 or 0.05
+        lo, hi = lo - pad, hi + pad
+    inside = (finite >= lo) & (finite <= hi)
+    ax.hist(finite[inside], bins=30, range=(lo, hi), color="tab:gray")
+    ax.axvline(value, color="tab:red", lw=1.2)
+    ax.set_xlim(lo - 0.02 * (hi - lo), hi + 0.02 * (hi - lo))
+    outside = len(samples) - int(inside.sum())
+    if outside:
+        ax.text(0.02, 0.97, f"{outside} outside", transform=ax.transAxes, fontsize=7,
+                va="top", color="0.3")
 
 
 def _count(value: float) -> str:

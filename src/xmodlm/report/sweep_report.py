@@ -633,12 +633,11 @@ def dynamics(
         PAIRED_SPIKE_THRESHOLD,
         SPIKE_THRESHOLD,
         SPIKE_WINDOW,
-        plot_depth_hist,
-        plot_residual_rms,
         run_dynamics,
         summarise,
         with_paired_spikes,
     )
+    from xmodlm.report.dynamics_plots import plot_depth_hist, plot_residual_rms
 
     root = Path(results).parent
     runs_root = root / "runs" if (root / "runs").is_dir() else root
@@ -681,13 +680,20 @@ def dynamics(
             "run_ids": [d["run_id"] for d in dyns],
             **summarise(dyns),
         })
-    plot = plot_residual_rms([{"label": c["config"], **c} for c in section["configs"]],
-                             Path(out_dir) / "residual_rms.png")
+    groups = [{**c, **_plot_names(c)} for c in section["configs"]]
+    plot = plot_residual_rms(groups, Path(out_dir) / "residual_rms.png")
     section["plot"] = plot.name if plot is not None else None
-    depth = plot_depth_hist([{"label": c["config"], **c} for c in section["configs"]],
-                            Path(out_dir) / "depth_hist.png")
+    depth = plot_depth_hist(groups, Path(out_dir) / "depth_hist.png")
     section["depth_plot"] = depth.name if depth is not None else None
     return section
+
+
+def _plot_names(config: dict[str, Any]) -> dict[str, str]:
+    """A dynamics group's ``panel`` (the budget and context it was trained at: the
+    same settings recur at each, and only runs of one budget compare) and its legend
+    ``label`` within the panel (the configuration and its width d)."""
+    return {"panel": f"budget {config['tier']:.2g} FLOPs, context {config['context']}",
+            "label": f"{config['config']} d={config['width']}"}
 
 
 def _with_dense_controls(
