@@ -8,18 +8,33 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+from conftest import tiny_model_cfg
+from test_train import small_cfg
 from xmodlm.cli import main
+from xmodlm.errors import UserError
+from xmodlm.flops import capacity_tokens
 from xmodlm.law.fit import fit_law
 from xmodlm.law.synthetic import synthetic_runs
 from xmodlm.law.table import validate
+from xmodlm.model import Transformer
+from xmodlm.model.blocks import RoutedBlock
 from xmodlm.report import law_plots
 from xmodlm.report.curves import loss_figure, run_curves
 from xmodlm.report.dynamics_plots import depth_hist_figure, residual_rms_figure
-from xmodlm.report.routing_plots import KEY_LABEL_IN, _tick_label, colour_key
+from xmodlm.report.routing_plots import (
+    KEY_LABEL_IN,
+    _tick_label,
+    colour_key,
+    show_routing,
+    sparse_blocks,
+    token_routing,
+)
 from xmodlm.report.sweep_report import _plot_names
+from xmodlm.train.trainer import train
 
 
 def _fake_run(path: Path, sparse: bool) -> Path:
@@ -147,3 +162,36 @@ def test_dynamics_figures_have_one_panel_per_budget_unique_labels_and_se_bars() 
     assert [s[1][1] - s[0][1] for s in segments] == pytest.approx([0.02, 0.04, 0.06, 0.0])
     line = bars[1].lines[0]
     assert list(line.get_xdata()) == [0, 1, 2, 3]  # empty tail past depth 2 trimmed to one
+
+
+def test_token_routing_gives_topk_and_scores_when_causal_routes_nothing() -> None:
+    """A router whose causal decision takes no token (a young one) still shows where
+    training sends compute: top-k takes the k highest-scoring tokens of each block."""
+    model = Transformer(tiny_model_cfg(n_layers=4, stride=2, capacity=0.25)).eval()
+    for block in model.blocks:
+        if isinstance(block, RoutedBlock):
+            block.router.threshold.fill_(1e9)
+    ids = list(range(1, 17))
+    got = token_routing(model, ids)
+    assert not got["causal"].any()
+    k = capacity_tokens(0.25, len(ids))
+    assert got["topk"].shape == got["score"].shape == (2, len(ids))
+    for chosen, score in zip(got["topk"], got["score"], strict=True):
+        assert set(np.flatnonzero(chosen)) == set(np.argsort(-score)[:k])
+    assert sparse_blocks(model.layout) == [1, 3]
+
+
+def test_show_routing_numbers_blocks_by_place_in_the_stack(
+    tiny_data_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    train(small_cfg(tiny_data_dir, "train.max_steps=2", "model.n_layers=6", "model.stride=3"),
+          run, progress=False)
+    png, page = tmp_path / "r.png", tmp_path / "r.html"
+    info = show_routing(run, "The whale saw the ship.", png, page, routing="topk")
+    assert info["layout"] == "DssDss" and info["blocks"] == [1, 2, 4, 5]
+    assert info["selected"] == info["topk"] and info["depth"] == list(
+        np.array(info["topk"]).sum(0))
+    assert "(blocks " in page.read_text() and "Top-k routing, as in training" in page.read_text()
+    with pytest.raises(UserError, match="not one of causal, topk"):
+        show_routing(run, "x", png, routing="both")

@@ -672,7 +672,8 @@ def cmd_show_routing(args: argparse.Namespace) -> int:
     _check_text(args.text, "--text")
     device = _check_device(args.device)
     png, html = (out.with_suffix(".png"), out) if out.suffix == ".html" else (out, None)
-    show_routing(args.run_dir, args.text, png, html or out.with_suffix(".html"), device=device)
+    show_routing(args.run_dir, args.text, png, html or out.with_suffix(".html"), device=device,
+                 routing=args.routing)
     print(f"wrote {png} and {html or out.with_suffix('.html')}")
     if args.training_plots:
         for path in plot_training(args.run_dir, args.training_plots):
@@ -904,6 +905,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="PNG (an HTML page is written beside it)")
     p.add_argument("--training-plots", default=None, metavar="DIR",
                    help="also plot coverage, depth histogram and overlap from metrics.jsonl")
+    p.add_argument("--routing", choices=("causal", "topk"), default="causal",
+                   help="which routing shades the passage: causal (inference's decision,"
+                        " default; empty until it has learned) or topk (training's k = c T"
+                        " tokens); the picture always maps both")
     p.add_argument("--device", default="auto",
                    help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
     p.set_defaults(func=cmd_show_routing)

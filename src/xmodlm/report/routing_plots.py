@@ -1,9 +1,10 @@
 """Pictures of where sparse compute goes.
 
 * :func:`show_routing`: a passage with each token shaded by how many sparse blocks
-  processed it under causal routing (the inference-time decision), a heatmap of
-  sparse blocks x tokens, and optionally a self-contained HTML page with the same
-  shading (hover a token for its per-block decisions);
+  processed it (causal routing, the inference-time decision, or top-k, the training
+  one), maps of sparse blocks x tokens of the router scores with the top-k choice and
+  of the causal decision, and optionally a self-contained HTML page with the same
+  shading (hover a token for its blocks and scores);
 * :func:`plot_training`: coverage, per-token sparse-depth histogram (last eval) and
   Jaccard overlap of consecutive sparse blocks over training, from the eval
   records of ``metrics.jsonl``.
@@ -25,6 +26,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from xmodlm.config import load_config
 from xmodlm.data.tokenizer import Tokenizer
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_savefig, atomic_write_text
@@ -39,24 +41,51 @@ LINE_CHARS = 90  # characters per rendered line of the passage
 CHAR_IN = 0.09  # inches per character in the PNG
 
 
+ROUTINGS = {"causal": "causal routing, as at inference",
+            "topk": "top-k routing, as in training"}
+"""What a picture of routing can show: the inference-time decision (``causal``, a
+threshold on each token's own logit) or the training one (``topk``: the k = round(c T)
+highest router scores of the sequence). Early in training the causal decision may
+route nothing while top-k, by construction, always routes k tokens."""
+
+
 @torch.no_grad()
-def token_routing(model: Transformer, ids: list[int]) -> np.ndarray:
-    """(n_sparse, T) bool: which tokens each sparse block processes under causal routing."""
+def token_routing(model: Transformer, ids: list[int]) -> dict[str, np.ndarray]:
+    """Per sparse block (rows, in depth order) and token: ``causal`` and ``topk``
+    (bool, which tokens the block processes under each routing) and ``score``
+    (sigmoid of the router logit in the top-k pass, the preference top-k ranks)."""
     idx = torch.tensor([ids], dtype=torch.long, device=model.embed.weight.device)
     pos = torch.arange(idx.shape[1], device=idx.device)
-    x = model.embed(idx)
-    rot = model.rope(pos, matmul_dtype(x))
-    rows = []
-    for block in model.blocks:
-        x, out = block(x, model.rope, pos, "causal", rot)
-        if isinstance(block, RoutedBlock):
-            assert out.processed_BT is not None
-            rows.append(out.processed_BT[0].cpu().numpy())
-    return np.stack(rows).astype(bool) if rows else np.zeros((0, len(ids)), dtype=bool)
+    rows: dict[str, list[np.ndarray]] = {"causal": [], "topk": [], "score": []}
+    for mode in ROUTINGS:
+        x = model.embed(idx)
+        rot = model.rope(pos, matmul_dtype(x))
+        for block in model.blocks:
+            x, out = block(x, model.rope, pos, mode, rot)
+            if isinstance(block, RoutedBlock):
+                assert out.processed_BT is not None and out.r_BT is not None
+                rows[mode].append(out.processed_BT[0].cpu().numpy())
+                if mode == "topk":
+                    rows["score"].append(torch.sigmoid(out.r_BT[0].float()).cpu().numpy())
+    n = len(ids)
+    return {
+        "causal": np.stack(rows["causal"]).astype(bool) if rows["causal"] else np.zeros((0, n), bool),
+        "topk": np.stack(rows["topk"]).astype(bool) if rows["topk"] else np.zeros((0, n), bool),
+        "score": np.stack(rows["score"]) if rows["score"] else np.zeros((0, n)),
+    }
 
 
-def routing_of_text(run_dir: str | Path, text: str, device: str = "cpu") -> dict[str, Any]:
-    """Tokens of ``text`` (after ``<|endoftext|>``, cut to the context) and their routing."""
+def routing_of_text(
+    run_dir: str | Path, text: str, device: str = "cpu", routing: str = "causal"
+) -> dict[str, Any]:
+    """Tokens of ``text`` (after ``<|endoftext|>``, cut to the context) and their routing.
+
+    ``selected``/``depth``/``mean_depth`` are of ``routing`` (one of :data:`ROUTINGS`);
+    ``causal``, ``topk`` and ``scores`` are always given, and ``blocks`` numbers the
+    sparse blocks by their place in the whole stack (0 = the first block), as the
+    training figures do."""
+    if routing not in ROUTINGS:
+        raise UserError(f"routing {routing!r} is not one of {', '.join(ROUTINGS)}")
     if not text.strip():
         raise UserError("--text is empty: give a passage to route")
     cfg, model, ckpt = load_run(run_dir, device=device)
@@ -66,18 +95,30 @@ def routing_of_text(run_dir: str | Path, text: str, device: str = "cpu") -> dict
     ids = tok.encode(text)
     truncated = len(ids) > cfg.model.context - 1
     ids = ids[: cfg.model.context - 1]
-    sel = token_routing(model, [tok.eot_id, *ids])[:, 1:]
+    routed = {k: v[:, 1:] for k, v in token_routing(model, [tok.eot_id, *ids]).items()}
+    sel = routed[routing]
     return {
         "tokens": [tok.decode([i]) for i in ids],
         "ids": ids,
+        "routing": routing,
         "selected": sel.tolist(),
         "depth": [int(d) for d in sel.sum(0)],
+        "causal": routed["causal"].tolist(),
+        "topk": routed["topk"].tolist(),
+        "scores": np.round(routed["score"], 4).tolist(),
+        "blocks": sparse_blocks(model.layout),
         "n_sparse": int(sel.shape[0]),
         "layout": model.layout,
         "truncated": truncated,
         "checkpoint": str(ckpt),
         "mean_depth": float(sel.sum(0).mean()),
     }
+
+
+def sparse_blocks(layout: str) -> list[int]:
+    """Where each sparse block sits in the stack (0 = the first block): the one
+    numbering of blocks in every routing figure, as in the residual-RMS plot."""
+    return [i for i, kind in enumerate(layout) if kind == "s"]
 
 
 def _shade(cmap: Any, norm: Normalize, depth: int) -> tuple[float, float, float, float]:
@@ -133,11 +174,16 @@ def show_routing(
     out_png: str | Path,
     out_html: str | Path | None = None,
     device: str = "cpu",
+    routing: str = "causal",
 ) -> dict[str, Any]:
-    """Draw the causal routing of ``text``; returns :func:`routing_of_text`'s dict plus paths."""
-    info = routing_of_text(run_dir, text, device)
+    """Draw the routing of ``text``; returns :func:`routing_of_text`'s dict plus paths.
+
+    The passage is shaded by sparse depth under ``routing``. Below it, two maps of
+    sparse blocks x tokens: the router's score with the top-k choice marked (what
+    training routes, meaningful from the first step), and the causal decision (what
+    inference routes, empty until the decision has learned and been calibrated)."""
+    info = routing_of_text(run_dir, text, device, routing)
     tokens, depth, n_sparse = info["tokens"], info["depth"], info["n_sparse"]
-    sel = np.array(info["selected"], dtype=float)
     cmap, norm = colormaps[CMAP], Normalize(0, max(1, n_sparse))
 
     # lay the passage out in rows of LINE_CHARS monospace characters
@@ -154,8 +200,8 @@ def show_routing(
     # DejaVu Sans Mono advances 0.602 em, so CHAR_IN inches per char sets the size
     text_w, text_h = LINE_CHARS * CHAR_IN, 0.3 * n_rows
     heat_h = 0.3 * n_sparse + 0.2
-    left, right, top, gap, bottom = 1.1, 1.1, 0.45, 0.6, 1.2
-    W, H = left + text_w + right, top + text_h + gap + heat_h + bottom
+    left, right, top, gap, between, bottom = 1.1, 1.1, 0.45, 0.9, 0.45, 1.2
+    W, H = left + text_w + right, top + text_h + gap + 2 * heat_h + between + bottom
     fig = Figure(figsize=(W, H))
     ax = fig.add_axes((left / W, (H - top - text_h) / H, text_w / W, text_h / H))
     ax.set_xlim(0, LINE_CHARS)
@@ -166,12 +212,15 @@ def show_routing(
         ax.add_patch(Rectangle((c, r + 0.06), len(s), 0.88, color=_shade(cmap, norm, d), lw=0))
         ax.text(c, r + 0.5, s, family="DejaVu Sans Mono", fontsize=fontsize, va="center",
                 ha="left")
-    title = f"sparse blocks processing each token (causal routing), layout {info['layout']}"
+    title = (f"sparse blocks processing each token ({ROUTINGS[routing]}),"
+             f" layout {info['layout']}, mean depth {info['mean_depth']:.2f}")
+    if not any(depth):
+        title += " - no token routed"
     ax.set_title(title + (" [truncated to context]" if info["truncated"] else ""), fontsize=10,
                  loc="left")
     # the colour key: tall enough for its labels (at most one per 0.16 inch; it may
-    # reach down beside the heatmap, never above the text), labelled on its axis
-    bar_h, depths = colour_key(n_sparse, text_h, text_h + gap + heat_h)
+    # reach into the gap below the text, never above it nor beside the score map's key)
+    bar_h, depths = colour_key(n_sparse, text_h, text_h + gap - 0.15)
     cax = fig.add_axes(((left + text_w + 0.15) / W, (H - top - bar_h) / H, 0.12 / W, bar_h / H))
     shades = [_shade(cmap, norm, d) for d in range(n_sparse + 1)]
     cax.imshow(np.array(shades)[::-1, None, :3], aspect="auto")
@@ -181,18 +230,37 @@ def show_routing(
     cax.yaxis.set_label_position("right")
     cax.set_ylabel("sparse depth (blocks)", fontsize=8)
 
+    scores, topk = np.array(info["scores"]), np.array(info["topk"], dtype=bool)
+    causal = np.array(info["causal"], dtype=float)
+    sx = fig.add_axes((left / W, (bottom + heat_h + between) / H, text_w / W, heat_h / H))
+    # the colours span the scores present: a young router's scores all sit near 0.5,
+    # yet their order is what top-k acts on
+    image = sx.imshow(scores, aspect="auto", cmap="Blues", interpolation="nearest",
+                      vmin=scores.min(), vmax=max(scores.max(), scores.min() + 1e-6))
+    rows, cols = np.nonzero(topk)
+    sx.scatter(cols, rows, s=9, color="tab:orange", edgecolors="black", linewidths=0.4)
+    sx.set_title("router score sigmoid(r) (blue, scaled to the scores shown);"
+                 " orange: the top-k tokens training routes",
+                 fontsize=9)
+    sx.set_xticks([])
+    kx = fig.add_axes(((left + text_w + 0.15) / W, (bottom + heat_h + between) / H, 0.12 / W,
+                       heat_h / H))
+    fig.colorbar(image, cax=kx).ax.tick_params(labelsize=7)
+
     hx = fig.add_axes((left / W, bottom / H, text_w / W, heat_h / H))
-    hx.imshow(sel, aspect="auto", cmap="Greys", vmin=0, vmax=1.3, interpolation="nearest")
-    layers = [i for i, kind in enumerate(info["layout"]) if kind == "s"]
-    hx.set_yticks(range(n_sparse), [f"block {i}" for i in layers[:n_sparse]], fontsize=8)
-    hx.set_ylabel("sparse block (layer)", fontsize=9)
+    hx.imshow(causal, aspect="auto", cmap="Greys", vmin=0, vmax=1.3, interpolation="nearest")
+    hx.set_title("processed (dark) under causal routing, what inference runs"
+                 + ("" if causal.any() else ": none yet (the causal decision has not learned)"),
+                 fontsize=9)
     T = len(tokens)
     step = _tick_step(T, 60)
     hx.set_xticks(range(0, T, step), [_tick_label(tokens[i]) for i in range(0, T, step)],
                   rotation=90, fontsize=7, family="DejaVu Sans Mono")
     hx.set_xlabel("token (\u2423 = space)" + (f", every {step}th labelled" if step > 1 else ""),
                   fontsize=9)
-    hx.set_title("processed (dark) by each sparse block", fontsize=9)
+    for a in (sx, hx):
+        a.set_yticks(range(n_sparse), [f"block {i}" for i in info["blocks"]], fontsize=8)
+        a.set_ylabel("sparse block", fontsize=9)
     info["png"] = str(_save(fig, out_png))
     if out_html is not None:
         info["html"] = str(_write_html(info, out_html, cmap, norm))
@@ -204,8 +272,10 @@ def _write_html(info: dict[str, Any], path: str | Path, cmap: Any, norm: Normali
     spans = []
     for j, (t, d) in enumerate(zip(info["tokens"], info["depth"], strict=True)):
         r, g, b, _ = _shade(cmap, norm, d)
-        blocks = "".join("1" if info["selected"][i][j] else "0" for i in range(n))
-        tip = f"token {j}: {d}/{n} sparse blocks, per block {blocks}"
+        took = [str(b) for i, b in enumerate(info["blocks"]) if info["selected"][i][j]]
+        scores = " ".join(f"{info['scores'][i][j]:.2f}" for i in range(n))
+        tip = (f"token {j}: {d}/{n} sparse blocks (blocks {', '.join(took) or 'none'});"
+               f" router scores {scores}")
         spans.append(
             f'<span style="background:rgb({int(r * 255)},{int(g * 255)},{int(b * 255)})"'
             f' title="{html.escape(tip)}">{html.escape(t)}</span>'
@@ -223,9 +293,10 @@ body {{ font-family: sans-serif; max-width: 60em; margin: 2em auto; }}
 .text {{ font-family: monospace; white-space: pre-wrap; line-height: 1.8; font-size: 15px; }}
 .key {{ display: inline-block; width: 2em; text-align: center; font-family: monospace; }}
 </style></head><body>
-<h3>Causal routing, layout {html.escape(info["layout"])}</h3>
-<p>Shade = number of sparse blocks (of {n}) that processed the token; hover for per-block
-decisions. Mean depth {info["mean_depth"]:.2f}.{" Truncated to the context." if info["truncated"] else ""}</p>
+<h3>{html.escape(ROUTINGS[info["routing"]].capitalize())}, layout {html.escape(info["layout"])}</h3>
+<p>Shade = number of sparse blocks (of {n}) that processed the token; hover for the blocks
+(numbered by place in the stack, 0 = the first) and each one's router score sigmoid(r).
+Mean depth {info["mean_depth"]:.2f}.{" Truncated to the context." if info["truncated"] else ""}</p>
 <p>depth: {legend}</p>
 <div class="text">{"".join(spans)}</div>
 </body></html>
@@ -237,7 +308,10 @@ decisions. Mean depth {info["mean_depth"]:.2f}.{" Truncated to the context." if 
 
 
 def plot_training(run_dir: str | Path, out_dir: str | Path) -> list[Path]:
-    """Coverage, depth histogram and Jaccard overlap from the run's eval records."""
+    """Coverage, depth histogram and Jaccard overlap from the run's eval records; blocks
+    are numbered by their place in the stack (:func:`sparse_blocks`), as in
+    :func:`show_routing`, read from the run's ``config.yaml`` (sparse blocks counted
+    from 0 when it is missing)."""
     evals = [r for r in read_metrics(run_dir) if r.get("kind") == "eval" and "coverage" in r]
     if not evals:
         raise UserError(
@@ -246,6 +320,9 @@ def plot_training(run_dir: str | Path, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     steps = [r["step"] for r in evals]
     paths = []
+    config = Path(run_dir) / "config.yaml"
+    blocks = (sparse_blocks(load_config(config).model.block_layout) if config.is_file()
+              else list(range(len(evals[-1]["depth_hist"]) - 1)))
 
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
@@ -270,7 +347,8 @@ def plot_training(run_dir: str | Path, out_dir: str | Path) -> list[Path]:
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
     for i in range(len(evals[-1].get("jaccard", []))):
-        ax.plot(steps, [r["jaccard"][i] for r in evals], marker="o", label=f"blocks {i}-{i + 1}")
+        ax.plot(steps, [r["jaccard"][i] for r in evals], marker="o",
+                label=f"blocks {blocks[i]} and {blocks[i + 1]}")
     ax.set(xlabel="step", ylabel="Jaccard overlap", ylim=(0, 1.02),
            title="overlap of consecutive sparse blocks' selections")
     if evals[-1].get("jaccard"):
