@@ -14,7 +14,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from conftest import tiny_model_cfg
 from test_train import small_cfg
+from xmodlm import flops
 from xmodlm.cli import main
+from xmodlm.config import load_config
 from xmodlm.errors import UserError
 from xmodlm.flops import capacity_tokens
 from xmodlm.law.fit import fit_law
@@ -56,7 +58,7 @@ def test_plot_draws_train_and_both_validation_losses(tmp_path: Path) -> None:
     out = tmp_path / "curves.png"
     assert main(["plot", str(xmod), str(dense), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    fig = loss_figure([run_curves(xmod), run_curves(dense)], ["xmod", "dense"])
+    fig = loss_figure([run_curves(xmod), run_curves(dense)], ["xmod", "dense"], x="step")
     ax = fig.axes[0]
     assert ax.get_xlabel() == "optimiser step" and "loss" in ax.get_ylabel()
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
@@ -65,6 +67,35 @@ def test_plot_draws_train_and_both_validation_losses(tmp_path: Path) -> None:
     causal = ax.get_lines()[2]
     assert list(causal.get_xdata()) == [4, 8, 12]
     assert list(causal.get_ydata()) == pytest.approx([7.65, 7.25, 6.85])
+
+
+def test_loss_curves_on_tokens_or_flops_with_a_trailing_mean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _fake_run(tmp_path / "xmod", sparse=True)
+    cfg = load_config("xmod-tiny")
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    curves = run_curves(run)
+    fig = loss_figure([curves], ["xmod"])  # tokens by default
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "training tokens"
+    train_line, topk = ax.get_lines()[:2]
+    assert list(train_line.get_xdata()) == [512 * s for s in range(1, 13)]
+    assert list(topk.get_xdata()) == [512 * 4, 512 * 8, 512 * 12]  # evals: step x tokens/step
+    per_token = flops.count(cfg.model).flops_train
+    ax = loss_figure([curves], ["xmod"], x="flops").axes[0]
+    assert ax.get_lines()[0].get_xdata()[-1] == pytest.approx(512 * 12 * per_token)
+    assert "FLOPs" in ax.get_xlabel()
+    ax = loss_figure([curves], ["xmod"], smooth=4).axes[0]
+    raw, mean = ax.get_lines()[:2]
+    assert list(mean.get_ydata()) == pytest.approx(
+        [7.9, 7.85, 7.8, 7.75, 7.65, 7.55, 7.45, 7.35, 7.25, 7.15, 7.05, 6.95])  # trailing
+    assert "mean of 4 logged steps" in ax.get_legend().get_texts()[0].get_text()
+    bare = _fake_run(tmp_path / "bare", sparse=False)  # no config.yaml: no FLOPs to count
+    out = tmp_path / "x.png"
+    assert main(["plot", str(bare), "--out", str(out), "--x", "flops"]) == 2
+    assert "--x tokens" in capsys.readouterr().err and not out.exists()
+    assert main(["plot", str(run), "--out", str(out), "--x", "flops", "--smooth", "5"]) == 0
 
 
 def test_plot_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

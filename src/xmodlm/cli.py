@@ -689,7 +689,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
         raise UserError(f"--out {str(out)!r}: give a .png, .pdf or .svg file name")
     if args.label and len(args.label) != len(args.runs):
         raise UserError(f"{len(args.label)} --label for {len(args.runs)} runs: give one per run")
-    path = plot_runs(args.runs, out, labels=args.label or None, title=args.title)
+    path = plot_runs(args.runs, out, labels=args.label or None, title=args.title, x=args.x,
+                     smooth=args.smooth)
     print(f"wrote {path}")
     return 0
 
@@ -919,6 +920,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", action="append", default=[],
                    help="legend name of a run, in the order of the runs (repeat; default: folder names)")
     p.add_argument("--title", default=None, help="figure title")
+    p.add_argument("--x", default="tokens", choices=("tokens", "flops", "step"),
+                   help="x axis: training tokens (default), training FLOPs (per-token FLOPs"
+                        " of the run's config times tokens) or optimiser step")
+    p.add_argument("--smooth", type=int, default=0, metavar="N",
+                   help="also draw the training loss as a trailing mean over N logged steps"
+                        " (default 0: raw only)")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("law", help="fit and apply the X-MoD scaling law")
