@@ -22,9 +22,9 @@ from typing import Any
 
 import yaml
 
+from xmodlm import record
 from xmodlm.errors import UserError
 from xmodlm.model.depth_routers import kinds as depth_router_kinds
-from xmodlm.record import MOD_RECIPE
 
 GATINGS = ("logit", "sigmoid", "variance_scaled")
 CAUSAL_ROUTERS = tuple(sorted(depth_router_kinds()))  # xmodlm.model.depth_routers
@@ -85,29 +85,18 @@ class ModelConfig:
 
     @property
     def block_layout(self) -> str:
-        """One letter per block: ``D`` dense/anchor, ``s`` sparse, ``E`` MoE.
-
-        Block 0 is always an anchor so every token sees at least one full block
-        before any routing decision; then every S-th block is an anchor.
-        """
+        """One letter per block: ``D`` dense/anchor, ``s`` sparse, ``E`` MoE; the explicit
+        ``layout`` if given, else derived from (stride, capacity) by
+        :func:`xmodlm.record.derive_layout`."""
         if self.layout:
             return self.layout
-        dense = "E" if self.mlp == "moe" else "D"
-        if self.stride == 1 or self.capacity >= 1.0:
-            return dense * self.n_layers
-        return "".join(dense if i % self.stride == 0 else "s" for i in range(self.n_layers))
+        return record.derive_layout(self.n_layers, self.stride, self.capacity, self.mlp)
 
     @property
     def family(self) -> str:
-        """The family name used in run records (derived, never branched on in the model)."""
-        lay = self.block_layout
-        if "E" in lay:
-            return "moe"
-        if "s" not in lay:
-            return "dense"
-        if self.gating == MOD_RECIPE["gating"] and self.stride == MOD_RECIPE["stride"]:
-            return "mod"
-        return "xmod"
+        """The family name used in run records (:func:`xmodlm.record.family`; derived,
+        never branched on in the model)."""
+        return record.family(self.block_layout, self.gating, self.stride)
 
     def validate(self) -> None:
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "context")
@@ -382,18 +371,49 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
-def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(
+    name_or_path: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    vocab_from_data: bool = False,
+) -> Config:
     """Load a preset by name (``xmod-tiny``) or a YAML file, apply overrides, validate.
 
     A YAML file may say ``base: PRESET`` (or a YAML path) to start from another
     config; that base may have its own base, and the whole chain is merged, the
     nearest file winning (:func:`_with_bases`).
+
+    With ``vocab_from_data`` (what ``xmod train`` asks for), ``model.vocab_size``
+    is the vocabulary of the prepared corpus in ``data.dir`` unless the chain or the
+    overrides set it: a user's 77k-token tokenizer then needs no second setting, and
+    a preset that leaves it unset resolves, on the default corpus, to exactly the
+    config (and so the run id) it always did. A config written by a run or a sweep
+    states every field, so it never changes under it.
     """
     raw = _with_bases(name_or_path, [])
     cfg = Config.from_dict(raw, where="")
     if overrides:
         cfg = cfg.merge(list(overrides))
+    if vocab_from_data and not _sets_vocab(raw, overrides):
+        cfg = _with_data_vocab(cfg)
     return cfg.validate()
+
+
+def _sets_vocab(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> bool:
+    """Whether the merged YAML chain ``raw`` or an override names ``model.vocab_size``."""
+    model = raw.get("model")
+    return (isinstance(model, dict) and "vocab_size" in model) or any(
+        o.partition("=")[0].strip() == "model.vocab_size" for o in overrides)
+
+
+def _with_data_vocab(cfg: Config) -> Config:
+    """``cfg`` with the vocabulary of the corpus in ``data.dir``; unchanged where there
+    is no manifest yet (training then says the data is missing, in its own words)."""
+    from xmodlm.data.batches import MANIFEST_FILE, load_manifest
+
+    if not (Path(cfg.data.dir) / MANIFEST_FILE).is_file():
+        return cfg
+    vocab = load_manifest(cfg.data.dir)["vocab_size"]
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
 def _with_bases(name_or_path: str | Path, chain: list[str]) -> dict[str, Any]:

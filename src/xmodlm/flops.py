@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from xmodlm import record
 from xmodlm.config import ModelConfig
 from xmodlm.errors import UserError
 from xmodlm.model.depth_routers import DepthRouterKind, make_kind
@@ -38,13 +39,21 @@ def capacity_tokens(capacity: float, seq_len: int) -> int:
     return max(1, min(seq_len, round(capacity * seq_len)))
 
 
-def active_depth(cfg: ModelConfig, context: int | None = None) -> float:
-    """Active-equivalent depth: anchors (and MoE blocks) count 1, a sparse block the
-    fraction k / T of tokens it actually processes (k rounded, as executed)."""
+def routed_fraction(cfg: ModelConfig, context: int | None = None) -> float:
+    """k / T: the fraction of each sequence a sparse block of ``cfg`` processes at
+    ``context`` (default: cfg.context), with k rounded as executed."""
     T = context or cfg.context
-    layout = cfg.block_layout
-    n_sparse = layout.count("s")
-    return (len(layout) - n_sparse) + capacity_tokens(cfg.capacity, T) / T * n_sparse
+    return capacity_tokens(cfg.capacity, T) / T
+
+
+def active_depth(cfg: ModelConfig, context: int | None = None) -> float:
+    """Active-equivalent depth (:func:`xmodlm.record.active_depth`) of ``cfg``'s layout."""
+    return record.active_depth(cfg.block_layout, routed_fraction(cfg, context))
+
+
+def expansion_ratio(cfg: ModelConfig, context: int | None = None) -> float:
+    """rho = L / L_active of ``cfg`` (:func:`xmodlm.record.expansion_ratio`)."""
+    return record.expansion_ratio(cfg.block_layout, routed_fraction(cfg, context))
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,7 @@ def block_params(cfg: ModelConfig, letter: str) -> tuple[int, float]:
     body = attn + norms + 3 * d * f
     if letter == "D":
         return body, float(body)
-    frac = capacity_tokens(cfg.capacity, cfg.context) / cfg.context
+    frac = routed_fraction(cfg)
     extra = d + (1 if cfg.gating == "variance_scaled" else 0) + _router_kind(cfg).extra_params()
     return body + extra, body * frac + extra
 

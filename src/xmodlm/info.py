@@ -42,7 +42,7 @@ def model_info(config: str, overrides: list[str] | tuple[str, ...] = ()) -> dict
         "capacity": m.capacity,
         "n_layers": m.n_layers,
         "active_depth": active_depth(m),
-        "expansion_ratio": len(layout) / active_depth(m),
+        "expansion_ratio": flops.expansion_ratio(m),
         "gate_gamma_init": gate_gamma_init(cfg.model, cfg.train.seed),
         "config": cfg.to_dict(),
     }

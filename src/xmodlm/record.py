@@ -2,15 +2,22 @@
 
 Every finished run writes ``summary.json``; ``xmod sweep`` turns summaries into
 ``results.csv`` rows; the law and the report read those rows. The columns, the
-rule for "is this run sparse?", the expansion ratio and the family recipes are
-defined here once, so that the trainer, the sweep, the law and the report
-cannot drift apart. Plain Python, no torch.
+derived block layout, the family a layout belongs to, the rule for "is this run
+sparse?", the expansion ratio rho and the mapping of a config plus its counts to
+a row are defined here once: the config derives its layout and family here, the
+trainer's summary, the results table's row for a failed run and the sweep's plan
+all take their columns from :func:`config_row`, and the law, the report and the
+FLOP count all take rho from :func:`expansion_ratio`. Plain Python, no torch.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the config imports this module: names only, for the annotations
+    from xmodlm.config import ModelConfig
+    from xmodlm.flops import Counts
 
 # What the law needs of every run (DESIGN 5), in this order.
 RUN_COLUMNS = (
@@ -73,17 +80,90 @@ def moe_expert_dim(ffn_dim: int, top_k: int) -> int:
     return max(32, ffn_dim // top_k)
 
 
-def is_sparse(stride: int, capacity: float, layout: str | None = None) -> bool:
-    """A run is sparse when some block routes: its layout has an ``s``; without a
-    recorded layout, when stride > 1 and capacity < 1 (the derived layout's rule)."""
-    if layout:
-        return "s" in layout
+DENSE = "dense"  # the family every other one is FLOP-matched and compared against
+
+
+def routes(stride: int, capacity: float) -> bool:
+    """Whether the derived layout has sparse blocks: an anchor stride above one and a
+    capacity below one (otherwise every block is dense)."""
     return stride > 1 and capacity < 1
 
 
-def expansion_ratio(stride: float, capacity: float) -> float:
-    """rho = L / L_active for the derived layout: S / (1 + c (S - 1))."""
-    return stride / (1 + capacity * (stride - 1))
+def derive_layout(n_layers: int, stride: int, capacity: float, mlp: str = "swiglu") -> str:
+    """The per-block layout of (depth, stride, capacity, MLP): ``D`` dense/anchor, ``s``
+    sparse, ``E`` MoE. Block 0 is always an anchor, so every token sees one full block
+    before any routing decision; then every S-th block is an anchor."""
+    dense = "E" if mlp == "moe" else "D"
+    if not routes(stride, capacity):
+        return dense * n_layers
+    return "".join(dense if i % stride == 0 else "s" for i in range(n_layers))
+
+
+def family(layout: str, gating: str, stride: int) -> str:
+    """The family name a run records, from its layout: ``moe`` with an MoE block,
+    ``dense`` without a sparse one, ``mod`` on the Mixture-of-Depths recipe's stride
+    and gate, else ``xmod``. A label for tables, never branched on in the model."""
+    if "E" in layout:
+        return "moe"
+    if "s" not in layout:
+        return DENSE
+    if gating == MOD_RECIPE["gating"] and stride == MOD_RECIPE["stride"]:
+        return "mod"
+    return "xmod"
+
+
+def is_dense(family_name: Any) -> Any:
+    """Whether a recorded family is the dense reference (works on a scalar or on a
+    pandas column): the report pairs every other family with these runs."""
+    return family_name == DENSE
+
+
+def is_sparse(stride: int, capacity: float, layout: str | None = None) -> bool:
+    """A run is sparse when some block routes: its layout has an ``s``; without a
+    recorded layout, when its derived layout would have one (:func:`routes`)."""
+    if layout:
+        return "s" in layout
+    return routes(stride, capacity)
+
+
+def first_anchor_only(layout: str, stride: int) -> bool:
+    """The anchors ablation: one anchor, then only sparse blocks (fewer anchors than the
+    stride would place)."""
+    return layout.startswith("D") and set(layout[1:]) == {"s"} and stride < len(layout)
+
+
+def active_depth(layout: str, fraction: float) -> float:
+    """Active-equivalent depth: anchors (and MoE blocks) count 1, a sparse block the
+    ``fraction`` of tokens it processes (k / T as executed: :func:`xmodlm.flops.active_depth`)."""
+    n_sparse = layout.count("s")
+    return (len(layout) - n_sparse) + fraction * n_sparse
+
+
+def expansion_ratio(layout: str, fraction: float) -> float:
+    """rho = L / L_active of a layout whose sparse blocks process ``fraction`` of the
+    tokens. For the derived layout this is S / (1 + c (S - 1)) at any depth that is a
+    multiple of S; an explicit layout (the anchors ablation) has its own."""
+    return len(layout) / active_depth(layout, fraction)
+
+
+def config_row(model: ModelConfig, counts: Counts) -> dict[str, Any]:
+    """The columns a run's configuration and its analytic counts fill in a results row
+    (and in ``summary.json``, the sweep's plan, a failed run's row), in one order."""
+    return {
+        "family": model.family,
+        "width": model.d_model,
+        "n_layers": model.n_layers,
+        "stride": model.stride,
+        "capacity": model.capacity,
+        "context": model.context,
+        "gating": model.gating,
+        "balance_coef": model.balance_coef,
+        "layout": model.block_layout,
+        "params_total": counts.params_total,
+        "params_non_embedding": counts.params_non_embedding,
+        "params_active": counts.params_active,
+        "flops_per_token": counts.flops_train,
+    }
 
 
 def row_from_summary(summary: dict[str, Any], run_id: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from xmodlm import flops
+from xmodlm import flops, record
 from xmodlm.config import ModelConfig
 from xmodlm.errors import UserError
 from xmodlm.law import delta, dense
@@ -36,7 +36,7 @@ def _model(
 ) -> tuple[ModelConfig, flops.Counts]:
     """The dense ladder model at ``width``, FLOP-matched to (stride, capacity) when sparse."""
     cfg = dense_config(width, context, vocab)
-    if stride > 1 and capacity < 1:
+    if record.routes(stride, capacity):
         cfg, _ = flops.flop_match(cfg, stride, capacity)
     return cfg, flops.count(cfg)
 
@@ -74,7 +74,7 @@ def synthetic_runs(
         raise UserError("synthetic_runs: need n >= 1, sigma >= 0 and dense_fraction in [0, 1]")
     rng = np.random.default_rng(seed)
     is_dense = rng.permutation(n) < round(dense_fraction * n)
-    rows = []
+    rows, rhos = [], []
     for i in range(n):
         compute = float(computes[i % len(computes)])
         context = int(contexts[(i // len(computes)) % len(contexts)])
@@ -92,6 +92,7 @@ def synthetic_runs(
                 f"synthetic_runs: no ladder model trains at compute {compute:g}; use 1e13..1e19"
             )
         cfg, counts = fits[rng.integers(len(fits))]
+        rhos.append(flops.expansion_ratio(cfg))
         rows.append(
             {
                 "family": cfg.family,
@@ -113,8 +114,7 @@ def synthetic_runs(
             }
         )
     frame = pd.DataFrame(rows)
-    rho = frame["stride"] / (1 + frame["capacity"] * (frame["stride"] - 1))
-    x = delta.Features.of(frame.assign(rho=rho), delta.REFERENCE)
+    x = delta.Features.of(frame.assign(rho=rhos), delta.REFERENCE)
     truth_dense = np.array([true_dense[k] for k in dense.NAMES])
     truth_delta = np.array([true_delta_params[k] for k in form.names])
     ln_loss = (

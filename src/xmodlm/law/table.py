@@ -14,8 +14,8 @@ Derived columns added to the frame:
 
 * ``is_sparse``: some block routes (:func:`xmodlm.record.is_sparse`: the recorded
   layout has an ``s``; without one, stride > 1 and capacity < 1);
-* ``rho``: the sparse expansion ratio L / L_active with L_active = L/S + c L (S-1)/S,
-  which simplifies to S / (1 + c (S - 1)) (:func:`xmodlm.record.expansion_ratio`);
+* ``rho``: the sparse expansion ratio L / L_active of the recorded layout, else of the
+  derived one, where it is S / (1 + c (S - 1)) (:func:`xmodlm.record.expansion_ratio`);
 * ``tier``: the compute tier, log10(C) rounded to the nearest quarter decade, so a
   sweep's budgets (1e15, 3e15, 1e16 ...) group together despite small drift;
 * ``variant``: the family with its mechanism settings (``xmod``,
@@ -36,6 +36,7 @@ early training measures warmup, not the architecture.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ import pandas as pd
 
 from xmodlm import record
 from xmodlm.errors import UserError
+from xmodlm.flops import capacity_tokens
 
 RUN_COLUMNS = record.RUN_COLUMNS
 FINISHED = ("ok", "done")
@@ -159,7 +161,6 @@ def validate(
         record.is_sparse(s, c, lay)
         for s, c, lay in zip(frame["stride"], frame["capacity"], layouts, strict=True)
     ]
-    frame["rho"] = record.expansion_ratio(frame["stride"], frame["capacity"])
     if "context" in frame:
         frame["context"] = _numbers(frame, "context")
         context = frame["context"]
@@ -173,6 +174,7 @@ def validate(
     else:
         frame["context"] = UNRECORDED_CONTEXT
         notes.append("no context column: all runs treated as one (unrecorded) context")
+    frame["rho"] = _expansion_ratios(frame, layouts)
     _fill_compute(frame, raw, notes)
     frame["tier"] = np.round(4 * np.log10(frame["compute"])) / 4
     if "family" not in frame:
@@ -237,11 +239,23 @@ def _variants(frame: pd.DataFrame) -> pd.Series:
         balance = float(row.get("balance_coef", MECHANISM_DEFAULTS["balance_coef"]))
         if balance != MECHANISM_DEFAULTS["balance_coef"]:
             parts.append(f"balance={balance:g}")
-        layout = str(row.get("layout", ""))
-        if layout.startswith("D") and set(layout[1:]) == {"s"} and row["stride"] < len(layout):
+        if record.first_anchor_only(str(row.get("layout", "")), row["stride"]):
             parts.append("anchors=first")
         labels.append(f"xmod[{','.join(parts)}]" if parts else "xmod")
     return pd.Series(labels, index=frame.index, dtype=object)
+
+
+def _expansion_ratios(frame: pd.DataFrame, layouts: Sequence[str]) -> list[float]:
+    """Each run's rho (:func:`xmodlm.record.expansion_ratio`) from its recorded layout,
+    else from the layout its stride and capacity derive (one period: the ratio of a
+    derived layout does not depend on depth), with k rounded as the model executes it
+    where the context is recorded, so that the law's rho is the FLOP count's."""
+    out = []
+    for s, c, T, lay in zip(frame["stride"], frame["capacity"], frame["context"], layouts,
+                            strict=True):
+        layout = lay or record.derive_layout(s, s, c)
+        out.append(record.expansion_ratio(layout, capacity_tokens(c, T) / T if T else c))
+    return out
 
 
 def _numbers(frame: pd.DataFrame, col: str) -> pd.Series:

@@ -76,7 +76,7 @@ def _run_label(row: dict[str, Any]) -> str:
     """The configuration of a run (or of a group of seeds) as the report names it:
     mechanism settings, anchors when only the first block of the stack is dense,
     and the peak learning rate where the sweep records it."""
-    base = "dense" if row["family"] == "dense" else _config_label(
+    base = record.DENSE if record.is_dense(row["family"]) else _config_label(
         tuple(row[k] for k in CONFIG_KEYS))
     return (base + (" anchors=first" if _first_anchor_only(row) else "")
             + (f" lr={row['lr']:g}" if np.isfinite(row["lr"]) else ""))
@@ -155,9 +155,9 @@ def mixed_pair(run: pd.Series, ref: pd.Series) -> str:
 def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     """One row per non-dense run with its FLOP-matched dense reference
     (:func:`xmodlm.pairing.dense_partners`); and the unmatched count."""
-    partners = dense_partners(df, df["family"] == "dense")
+    partners = dense_partners(df, record.is_dense(df["family"]))
     rows, unmatched = [], 0
-    for i in np.flatnonzero(df["family"].to_numpy() != "dense"):
+    for i in np.flatnonzero(~record.is_dense(df["family"].to_numpy())):
         if partners[i] == NO_PARTNER:
             unmatched += 1
             continue
@@ -294,7 +294,7 @@ def _law_answer(fit: LawFit, df: pd.DataFrame, context: int, tier: float, width:
     the best sparse candidate's predicted difference to dense with P(beats dense))."""
     from xmodlm.law.recommend import recommend
 
-    dense = df[(df["family"] == "dense") & (df["context"] == context) & (df["tier"] == tier)
+    dense = df[record.is_dense(df["family"]) & (df["context"] == context) & (df["tier"] == tier)
                & (df["width"] == width)]
     if dense.empty or "params_active" not in dense.columns:
         return {"answer": None, "why": "no dense run with its active parameters in the cell"}
@@ -388,8 +388,8 @@ def mechanism_effects(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def _first_anchor_only(row: dict[str, Any]) -> bool:
-    layout = str(row.get("layout") or "")
-    return len(layout) > 1 and set(layout[1:]) == {"s"} and int(row["stride"]) < len(layout)
+    """:func:`xmodlm.record.first_anchor_only` of a table row (layout may be missing)."""
+    return record.first_anchor_only(str(row.get("layout") or ""), int(row["stride"]))
 
 
 def learning_rates(df: pd.DataFrame) -> list[dict[str, Any]]:
@@ -420,7 +420,7 @@ def learning_rates(df: pd.DataFrame) -> list[dict[str, Any]]:
                           "mean_common": float(shared.mean()) if len(shared) else None})
         judged = "mean_common" if common else "mean"
         best = min(by_lr, key=lambda e: e[judged])
-        label = "dense" if row["family"] == "dense" else _config_label(
+        label = record.DENSE if record.is_dense(row["family"]) else _config_label(
             tuple(row[k] for k in CONFIG_KEYS))
         out.append({"model": f"{label} L={int(row.get('n_layers', 0))}", "tier": float(row["tier"]),
                     "context": int(row["context"]), "width": int(row["width"]),
@@ -475,7 +475,7 @@ def _dense_ladder(df: pd.DataFrame) -> list[dict[str, Any]]:
     (active parameters) tried, so the compute-optimal dense size is not bracketed.
     ``widths``/``best_width`` keep the width view of the same answer."""
     out = []
-    dense = df[df["family"] == "dense"]
+    dense = df[record.is_dense(df["family"])]
     if "n_layers" not in dense.columns:
         dense = dense.assign(n_layers=np.nan)
     for (context, tier), group in dense.groupby(["context", "tier"]):
@@ -519,8 +519,8 @@ def equal_size(df: pd.DataFrame) -> list[dict[str, Any]]:
     df = df.assign(params_active=pd.to_numeric(df["params_active"], errors="coerce"))
     if "n_layers" not in df.columns:
         df = df.assign(n_layers=np.nan)
-    dense_all = df[(df["family"] == "dense") & np.isfinite(df["params_active"])]
-    routed = df[(df["family"] != "dense") & np.isfinite(df["params_active"])]
+    dense_all = df[record.is_dense(df["family"]) & np.isfinite(df["params_active"])]
+    routed = df[~record.is_dense(df["family"]) & np.isfinite(df["params_active"])]
     out = []
     for key, runs in routed.groupby(list(PAIR_KEYS), dropna=False):
         row = dict(zip(PAIR_KEYS, key, strict=True))
@@ -714,7 +714,7 @@ def _with_dense_controls(
         if "family" not in table.columns:
             raise UserError(f"dense control {str(path)!r} lacks column 'family';"
                             " `xmod sweep` writes it")
-        dense = table[table["family"].astype(str).str.strip().str.lower() == "dense"]
+        dense = table[record.is_dense(table["family"].astype(str).str.strip().str.lower())]
         if "run_id" in dense.columns:
             dense = dense[~dense["run_id"].astype(str).isin(seen)]
             seen |= set(dense["run_id"].dropna().astype(str))

@@ -40,15 +40,10 @@ def _config_row(run_dir: Path) -> dict[str, Any]:
             cfg = load_config(path)
         except (UserError, OSError):
             continue
-        m, c = cfg.model, flops.count(cfg.model)
         return {
-            "family": m.family, "width": m.d_model, "n_layers": m.n_layers, "stride": m.stride,
-            "capacity": m.capacity, "context": m.context, "gating": m.gating,
-            "balance_coef": m.balance_coef, "params_total": c.params_total,
-            "params_active": c.params_active, "flops_per_token": c.flops_train,
+            **record.config_row(cfg.model, flops.count(cfg.model)),
             "compute": cfg.train.compute or None, "seed": cfg.train.seed, "lr": cfg.train.lr,
-            "warmup_steps": cfg.train.warmup_steps, "layout": m.block_layout,
-            "compile_setting": cfg.train.compile,
+            "warmup_steps": cfg.train.warmup_steps, "compile_setting": cfg.train.compile,
         }
     return {}
 

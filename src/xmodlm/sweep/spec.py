@@ -94,6 +94,11 @@ RULES = {  # design rules a spec may require of every run: name -> (kind, what i
 }
 
 
+# The record's configuration columns the sweep's plan shows.
+PLAN_COLUMNS = ("family", "width", "n_layers", "stride", "capacity", "context", "gating",
+                "balance_coef", "params_total", "params_active", "flops_per_token")
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One run of a sweep: its id, resolved config and compute budget."""
@@ -103,22 +108,17 @@ class RunSpec:
     compute: float
 
     def row(self) -> dict[str, Any]:
+        """The run as the sweep's plan shows it: its record columns (gating ``-`` where
+        no block routes), the tokens its budget buys, its steps and head share."""
         m = self.cfg.model
         c = flops.count(m)
+        row = record.config_row(m, c)
+        if not record.is_sparse(m.stride, m.capacity, row["layout"]):
+            row["gating"] = "-"
         return {
             "id": self.run_id,
-            "family": m.family,
-            "width": m.d_model,
-            "n_layers": m.n_layers,
-            "stride": m.stride,
-            "capacity": m.capacity,
-            "context": m.context,
-            "gating": m.gating if "s" in m.block_layout else "-",
-            "balance_coef": m.balance_coef,
+            **{k: row[k] for k in PLAN_COLUMNS},
             "seed": self.cfg.train.seed,
-            "params_total": c.params_total,
-            "params_active": c.params_active,
-            "flops_per_token": c.flops_train,
             "tokens": self.compute / c.flops_train,
             "compute": self.compute,
             "steps": self.steps,

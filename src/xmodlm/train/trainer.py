@@ -35,10 +35,11 @@ from torch import nn
 from xmodlm import flops
 from xmodlm.config import Config, load_config
 from xmodlm.data.batches import get_batch, load_manifest, load_split, val_batches
+from xmodlm.data.prepare import MANIFEST_FILE
 from xmodlm.errors import UserError
 from xmodlm.eval.calibrate import calibration_windows
 from xmodlm.eval.loss import evaluate
-from xmodlm.fileio import atomic_write_json, atomic_write_text
+from xmodlm.fileio import atomic_write_json, atomic_write_text, sha256_file
 from xmodlm.hardware import (
     autocast_context,
     environment_record,
@@ -49,6 +50,7 @@ from xmodlm.hardware import (
 )
 from xmodlm.info import check_memory
 from xmodlm.model import Transformer
+from xmodlm.record import config_row
 from xmodlm.train import checkpoint as ckpt_io
 from xmodlm.train.lock import run_lock
 from xmodlm.train.loggers import MetricLogger, check_trackers
@@ -212,10 +214,37 @@ def _prepare_run_dir(
 
 
 def _check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
-    if manifest["vocab_size"] > cfg.model.vocab_size:
+    """The model's vocabulary is the corpus's, and the corpus's tokenizer is the one its
+    tokens were made with. A larger model vocabulary would train rows no token ever
+    selects and a run that no longer matches its tokenizer; a smaller one fails on the
+    first token beyond it. (``xmod train`` takes the corpus's when the config leaves it
+    unset: :func:`xmodlm.config.load_config`.)"""
+    data_dir = Path(cfg.data.dir)
+    vocab = manifest["vocab_size"]
+    if vocab != cfg.model.vocab_size:
         raise UserError(
-            f"data vocabulary {manifest['vocab_size']} exceeds model.vocab_size="
-            f"{cfg.model.vocab_size}: set model.vocab_size >= {manifest['vocab_size']}"
+            f"model.vocab_size={cfg.model.vocab_size} is not the vocabulary of {vocab} tokens"
+            f" of the corpus {str(data_dir)!r} (its tokenizer): set model.vocab_size={vocab},"
+            " or leave it unset in the config to take the corpus's"
+        )
+    recorded = (manifest.get("tokenizer") or {}).get("sha256")
+    tok = data_dir / "tokenizer.json"
+    if recorded and tok.is_file() and sha256_file(tok) != recorded:
+        raise UserError(
+            f"{str(tok)!r} is not the tokenizer the corpus's tokens were made with (its sha256"
+            f" differs from {MANIFEST_FILE}): prepare the corpus again with `xmod data prepare`"
+        )
+
+
+def _check_run_tokenizer(run: Path, data_dir: Path) -> None:
+    """A resumed run keeps the tokenizer it was trained with: a corpus prepared again in
+    the same folder with another tokenizer would go on training the model on other ids."""
+    kept, tok = run / "tokenizer.json", data_dir / "tokenizer.json"
+    if kept.is_file() and tok.is_file() and kept.read_bytes() != tok.read_bytes():
+        raise UserError(
+            f"run {str(run)!r} was trained with another tokenizer than {str(tok)!r} now is"
+            " (the corpus was prepared again): resume on the corpus it was trained on,"
+            " or pass --restart to train from step 0"
         )
 
 
@@ -370,6 +399,8 @@ def train(
         logger = MetricLogger(run, cfg, enabled=ddp.is_main, progress=progress)
         if ddp.is_main:
             tok = Path(cfg.data.dir) / "tokenizer.json"
+            if not restart:
+                _check_run_tokenizer(run, Path(cfg.data.dir))
             if tok.is_file():
                 shutil.copyfile(tok, run / "tokenizer.json")
             atomic_write_json(run / "env.json", {**env, "allocator": allocator})
@@ -639,7 +670,7 @@ def _summary(
     return {
         "status": status,
         "name": cfg.name,
-        "family": m.family,
+        **config_row(m, counts),
         "final_val_loss": ev.get("val_loss_topk"),
         "final_val_loss_causal": ev.get("val_loss_causal"),
         "val_bpb": ev.get("val_bpb"),
@@ -648,18 +679,6 @@ def _summary(
         "steps": state.step,
         "tokens": state.tokens,
         "flops": counts.flops_train * state.tokens,
-        "flops_per_token": counts.flops_train,
-        "params_total": counts.params_total,
-        "params_non_embedding": counts.params_non_embedding,
-        "params_active": counts.params_active,
-        "layout": m.block_layout,
-        "width": m.d_model,
-        "n_layers": m.n_layers,
-        "stride": m.stride,
-        "capacity": m.capacity,
-        "context": m.context,
-        "gating": m.gating,
-        "balance_coef": m.balance_coef,
         "seed": t.seed,
         "lr": t.lr,
         "warmup_steps": t.warmup_steps,

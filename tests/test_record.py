@@ -1,0 +1,65 @@
+"""The run record owns the layout, the family, the sparse rule, rho and the row: every
+reader of a run agrees with it, for an explicit layout too."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pandas as pd
+import pytest
+
+from xmodlm import flops, record
+from xmodlm.config import ModelConfig
+from xmodlm.law.table import validate
+from xmodlm.report.sweep_report import _run_label
+
+
+def _anchors_first() -> ModelConfig:
+    """The anchors ablation: one anchor then sparse blocks only, an explicit layout
+    whose rho is not the derived layout's S / (1 + c (S - 1))."""
+    dense = ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=2, context=64,
+                        balance_coef=record.XMOD_DEFAULTS["balance_coef"])
+    cfg, _ = flops.flop_match(dense, 4, 0.25, first_anchor_only=True)
+    assert cfg.layout.startswith("Ds") and set(cfg.layout[1:]) == {"s"}
+    return cfg
+
+
+def _row(cfg: ModelConfig) -> dict:
+    counts = flops.count(cfg)
+    return {**record.config_row(cfg, counts), "tokens": 1e6, "compute": 1e6 * counts.flops_train,
+            "val_loss": 3.0, "status": "ok", "lr": 1e-3}
+
+
+def test_rho_of_an_explicit_layout_agrees_across_law_report_and_flops() -> None:
+    cfg = _anchors_first()
+    derived = dataclasses.replace(cfg, layout="", n_layers=4)
+    rho = flops.expansion_ratio(cfg)
+    assert rho == pytest.approx(len(cfg.layout) / flops.active_depth(cfg))
+    assert rho != pytest.approx(flops.expansion_ratio(derived))  # not the derived formula
+    table = pd.DataFrame([_row(cfg), _row(derived), _row(dataclasses.replace(cfg, layout="",
+                          n_layers=4, stride=1, capacity=1.0))])
+    frame = validate(table).frame
+    assert list(frame["rho"]) == pytest.approx([rho, flops.expansion_ratio(derived), 1.0])
+    assert list(frame["is_sparse"]) == [True, True, False]
+    assert list(frame["variant"]) == ["xmod[anchors=first]", "xmod", "dense"]
+    labels = [_run_label(r) for r in table.to_dict("records")]
+    assert labels[0].endswith("anchors=first lr=0.001") and "anchors" not in labels[1]
+    assert labels[2] == "dense lr=0.001"
+
+
+def test_derived_layout_rho_is_the_closed_form() -> None:
+    for stride, capacity in ((2, 0.125), (4, 0.25), (8, 0.5)):
+        layout = record.derive_layout(2 * stride, stride, capacity)
+        assert record.expansion_ratio(layout, capacity) == stride / (1 + capacity * (stride - 1))
+
+
+def test_family_and_sparse_rule() -> None:
+    assert record.derive_layout(4, 2, 0.5) == "DsDs"
+    assert record.derive_layout(4, 2, 1.0) == "DDDD"
+    assert record.derive_layout(2, 1, 0.5, mlp="moe") == "EE"
+    assert record.family("DsDs", "logit", 2) == "mod"
+    assert record.family("DsDs", "variance_scaled", 2) == "xmod"
+    assert record.family("DDDD", "logit", 2) == record.DENSE
+    assert record.family("EE", "logit", 1) == "moe"
+    assert record.is_sparse(4, 0.5) and not record.is_sparse(4, 1.0)
+    assert record.is_sparse(1, 1.0, "Dss") and not record.is_sparse(4, 0.5, "DDDD")
