@@ -371,49 +371,18 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
-def load_config(
-    name_or_path: str | Path,
-    overrides: list[str] | tuple[str, ...] = (),
-    vocab_from_data: bool = False,
-) -> Config:
+def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a preset by name (``xmod-tiny``) or a YAML file, apply overrides, validate.
 
     A YAML file may say ``base: PRESET`` (or a YAML path) to start from another
     config; that base may have its own base, and the whole chain is merged, the
     nearest file winning (:func:`_with_bases`).
-
-    With ``vocab_from_data`` (what ``xmod train`` asks for), ``model.vocab_size``
-    is the vocabulary of the prepared corpus in ``data.dir`` unless the chain or the
-    overrides set it: a user's 77k-token tokenizer then needs no second setting, and
-    a preset that leaves it unset resolves, on the default corpus, to exactly the
-    config (and so the run id) it always did. A config written by a run or a sweep
-    states every field, so it never changes under it.
     """
     raw = _with_bases(name_or_path, [])
     cfg = Config.from_dict(raw, where="")
     if overrides:
         cfg = cfg.merge(list(overrides))
-    if vocab_from_data and not _sets_vocab(raw, overrides):
-        cfg = _with_data_vocab(cfg)
     return cfg.validate()
-
-
-def _sets_vocab(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> bool:
-    """Whether the merged YAML chain ``raw`` or an override names ``model.vocab_size``."""
-    model = raw.get("model")
-    return (isinstance(model, dict) and "vocab_size" in model) or any(
-        o.partition("=")[0].strip() == "model.vocab_size" for o in overrides)
-
-
-def _with_data_vocab(cfg: Config) -> Config:
-    """``cfg`` with the vocabulary of the corpus in ``data.dir``; unchanged where there
-    is no manifest yet (training then says the data is missing, in its own words)."""
-    from xmodlm.data.batches import MANIFEST_FILE, load_manifest
-
-    if not (Path(cfg.data.dir) / MANIFEST_FILE).is_file():
-        return cfg
-    vocab = load_manifest(cfg.data.dir)["vocab_size"]
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
 def _with_bases(name_or_path: str | Path, chain: list[str]) -> dict[str, Any]:

@@ -35,11 +35,10 @@ from torch import nn
 from xmodlm import flops
 from xmodlm.config import Config, load_config
 from xmodlm.data.batches import get_batch, load_manifest, load_split, val_batches
-from xmodlm.data.prepare import MANIFEST_FILE
 from xmodlm.errors import UserError
 from xmodlm.eval.calibrate import calibration_windows
 from xmodlm.eval.loss import evaluate
-from xmodlm.fileio import atomic_write_json, atomic_write_text, sha256_file
+from xmodlm.fileio import atomic_write_json, atomic_write_text
 from xmodlm.hardware import (
     autocast_context,
     environment_record,
@@ -214,37 +213,10 @@ def _prepare_run_dir(
 
 
 def _check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
-    """The model's vocabulary is the corpus's, and the corpus's tokenizer is the one its
-    tokens were made with. A larger model vocabulary would train rows no token ever
-    selects and a run that no longer matches its tokenizer; a smaller one fails on the
-    first token beyond it. (``xmod train`` takes the corpus's when the config leaves it
-    unset: :func:`xmodlm.config.load_config`.)"""
-    data_dir = Path(cfg.data.dir)
-    vocab = manifest["vocab_size"]
-    if vocab != cfg.model.vocab_size:
+    if manifest["vocab_size"] > cfg.model.vocab_size:
         raise UserError(
-            f"model.vocab_size={cfg.model.vocab_size} is not the vocabulary of {vocab} tokens"
-            f" of the corpus {str(data_dir)!r} (its tokenizer): set model.vocab_size={vocab},"
-            " or leave it unset in the config to take the corpus's"
-        )
-    recorded = (manifest.get("tokenizer") or {}).get("sha256")
-    tok = data_dir / "tokenizer.json"
-    if recorded and tok.is_file() and sha256_file(tok) != recorded:
-        raise UserError(
-            f"{str(tok)!r} is not the tokenizer the corpus's tokens were made with (its sha256"
-            f" differs from {MANIFEST_FILE}): prepare the corpus again with `xmod data prepare`"
-        )
-
-
-def _check_run_tokenizer(run: Path, data_dir: Path) -> None:
-    """A resumed run keeps the tokenizer it was trained with: a corpus prepared again in
-    the same folder with another tokenizer would go on training the model on other ids."""
-    kept, tok = run / "tokenizer.json", data_dir / "tokenizer.json"
-    if kept.is_file() and tok.is_file() and kept.read_bytes() != tok.read_bytes():
-        raise UserError(
-            f"run {str(run)!r} was trained with another tokenizer than {str(tok)!r} now is"
-            " (the corpus was prepared again): resume on the corpus it was trained on,"
-            " or pass --restart to train from step 0"
+            f"data vocabulary {manifest['vocab_size']} exceeds model.vocab_size="
+            f"{cfg.model.vocab_size}: set model.vocab_size >= {manifest['vocab_size']}"
         )
 
 
@@ -399,8 +371,6 @@ def train(
         logger = MetricLogger(run, cfg, enabled=ddp.is_main, progress=progress)
         if ddp.is_main:
             tok = Path(cfg.data.dir) / "tokenizer.json"
-            if not restart:
-                _check_run_tokenizer(run, Path(cfg.data.dir))
             if tok.is_file():
                 shutil.copyfile(tok, run / "tokenizer.json")
             atomic_write_json(run / "env.json", {**env, "allocator": allocator})
