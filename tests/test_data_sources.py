@@ -146,3 +146,29 @@ def test_data_from_another_tokenizer_is_refused(tmp_path: Path) -> None:
     check_tokenizer(tmp_path / "a" / "tokenizer.json", a, tmp_path / "a")  # its own: fine
     with pytest.raises(UserError, match="another tokenizer.*--tokenizer"):
         check_tokenizer(tmp_path / "b" / "tokenizer.json", a, tmp_path / "a")
+
+
+def test_jsonl_documents_from_a_named_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    docs = [f"Document {i}. " + SENTENCE * (2 + i % 3) for i in range(12)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(docs)))
+    with pytest.raises(UserError, match=r'no string field "text" \(its fields: body, id\).*'
+                                        r"--jsonl-field"):
+        prepare(tmp_path / "a", vocab_size=300, jsonl=[path])
+    manifest = prepare(tmp_path / "b", vocab_size=300, jsonl=[path], jsonl_field="body")
+    assert manifest["request"]["sources"][0]["options"] == {"field": "body"}
+    assert sum(s["documents"] for s in manifest["splits"].values()) == len(docs)
+    with pytest.raises(UserError, match='no string field "id"'):  # a number is no document
+        prepare(tmp_path / "c", vocab_size=300, jsonl=[path], jsonl_field="id")
+    plain = tmp_path / "plain.jsonl"  # the default field leaves the request as it was
+    plain.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    source = prepare(tmp_path / "d", vocab_size=300, jsonl=[plain])["request"]["sources"][0]
+    assert "options" not in source
+    out = str(tmp_path / "e")
+    assert main(["data", "prepare", "--out", out, "--jsonl", str(path), "--jsonl-field", "body",
+                 "--vocab-size", "300", "--quiet"]) == 0
+    assert main(["data", "prepare", "--out", str(tmp_path / "f"), "--text", str(plain),
+                 "--jsonl-field", "body"]) == 2
+    assert "--jsonl-field 'body' names a field of --jsonl files" in capsys.readouterr().err

@@ -26,7 +26,7 @@ PROMPT = "The whale"
 def run_dir(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-block X-MoD model (layout DsDs) trained 2 steps."""
     cfg = load_config("xmod-tiny", [
-        f"data.dir={tiny_data_dir}", "data.val_batches=1", "model.vocab_size=320",
+        f"data.dir={tiny_data_dir}", "data.val_batches=1", "model.vocab_size=300",
         "model.d_model=32", "model.n_heads=2", "model.n_layers=4", "model.stride=2",
         "model.capacity=0.5", "model.context=32", "train.batch_size=2", "train.dtype=fp32",
         "train.max_steps=2", "train.warmup_steps=1",

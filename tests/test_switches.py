@@ -18,7 +18,7 @@ from xmodlm.errors import UserError
 from xmodlm.train import loggers
 
 TINY = [
-    "model.vocab_size=320", "model.d_model=32", "model.n_heads=2", "model.n_layers=4",
+    "model.vocab_size=300", "model.d_model=32", "model.n_heads=2", "model.n_layers=4",
     "model.stride=2", "model.capacity=0.5", "model.context=32", "train.batch_size=2",
     "train.dtype=fp32", "train.warmup_steps=1", "data.val_batches=1", "train.max_steps=2",
 ]

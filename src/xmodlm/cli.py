@@ -261,6 +261,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         hf_streaming=args.hf_streaming,
         hf_limit=args.hf_limit,
         force=args.force,
+        jsonl_field=args.jsonl_field,
     )
     splits = manifest["splits"]
     print(
@@ -278,7 +279,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.device is not None:
         _check_device(args.device)  # cpu, cuda, cuda:N or auto; CUDA only where present
         overrides.append(f"train.device={args.device}")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, vocab_from_data=True)
     _check_out_dir(args.out)
     summary = train(cfg, args.out, progress=not args.quiet, restart=args.restart,
                     force=args.force)
@@ -748,7 +749,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=4096,
                    help="tokens of the BPE tokenizer trained on the corpus")
     p.add_argument("--text", nargs="+", metavar="PATH", help="plain-text files or directories")
-    p.add_argument("--jsonl", nargs="+", metavar="PATH", help="JSONL files with a 'text' field")
+    p.add_argument("--jsonl", nargs="+", metavar="PATH",
+                   help="JSONL files, one document per line in a string field (--jsonl-field)")
+    p.add_argument("--jsonl-field", default="text", metavar="NAME",
+                   help="the field of each --jsonl line that holds its document (default text)")
     p.add_argument("--parquet", nargs="+", metavar="PATH", help="Parquet files with a 'text' column")
     p.add_argument("--hf-dataset", metavar="NAME",
                    help="a Hugging Face dataset NAME[:CONFIG] (needs a network)")
@@ -759,8 +763,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-limit", type=int, default=None, metavar="N",
                    help="at most N documents from --hf-dataset")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="your own Hugging Face tokenizer.json, used as it is (no BPE training;"
-                   " --vocab-size is ignored)")
+                   help="your own Hugging Face tokenizer.json instead of a trained BPE"
+                   " (--vocab-size is ignored): used as given, except that <|endoftext|>, which"
+                   " separates documents, is added with the next free id if it lacks one")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the document split")
     p.add_argument("--force", action="store_true",
                    help="rebuild --out even though it holds a corpus prepared with other settings"
@@ -769,7 +774,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
     p.set_defaults(func=cmd_data_prepare)
 
-    p = sub.add_parser("train", help="train a model; rerun on the same --out to resume")
+    p = sub.add_parser("train", help="train a model (model.vocab_size: the corpus's unless"
+                                     " set); rerun on the same --out to resume")
     _add_config_args(p)
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--device", default=None,

@@ -283,6 +283,51 @@ class Config:
         return Config.from_dict(raw, where="")
 
 
+@dataclass
+class Budget:
+    """How long a run trains: its optimiser steps, the tokens each step takes (on all
+    ranks) and which setting set them (max_steps, tokens or compute)."""
+
+    total_steps: int
+    tokens_per_step: int
+    source: str
+
+
+def resolve_budget(cfg: Config, world_size: int) -> Budget:
+    """Steps from train.max_steps, else the token budget, else compute C (D = C / F).
+    Here, beside the settings it reads, because the trainer and a sweep's plan must
+    count the same steps."""
+    from xmodlm import flops  # flops reads ModelConfig from this module
+
+    t = cfg.train
+    per_step = t.batch_size * t.grad_accum * world_size * cfg.model.context
+    if t.max_steps > 0:
+        return Budget(t.max_steps, per_step, "max_steps")
+    if t.tokens > 0:
+        tokens, source = float(t.tokens), "tokens"
+    elif t.compute > 0:
+        tokens, source = t.compute / flops.count(cfg.model).flops_train, "compute"
+    else:
+        raise UserError(
+            "no training budget: set train.max_steps, train.tokens or train.compute (FLOPs)"
+        )
+    steps = int(tokens // per_step)
+    if steps < 1:
+        raise UserError(
+            f"train.{source} gives {tokens:.3g} tokens, less than one batch of {per_step} tokens"
+            " (batch_size x grad_accum x ranks x context): raise the budget or shrink the batch"
+        )
+    return Budget(steps, per_step, source)
+
+
+RESUME_FREE = frozenset({
+    "device", "compile", "eval_every", "log_every", "ckpt_every", "keep_last", "max_bad_steps",
+    "tensorboard", "wandb", "wandb_project", "wandb_entity", "wandb_tags",
+})
+"""Train settings a resumed run may change freely: they do not change what is trained
+(the trainer checks a resume against them; a sweep lets ``--set`` change only these)."""
+
+
 def _build(cls: type, raw: Any, where: str) -> Any:
     """Build dataclass ``cls`` from ``raw``, rejecting unknown keys and wrong types."""
     if not isinstance(raw, dict):
@@ -371,18 +416,49 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
-def load_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(
+    name_or_path: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    vocab_from_data: bool = False,
+) -> Config:
     """Load a preset by name (``xmod-tiny``) or a YAML file, apply overrides, validate.
 
     A YAML file may say ``base: PRESET`` (or a YAML path) to start from another
     config; that base may have its own base, and the whole chain is merged, the
     nearest file winning (:func:`_with_bases`).
+
+    With ``vocab_from_data`` (what ``xmod train`` asks for), ``model.vocab_size``
+    is the vocabulary of the prepared corpus in ``data.dir`` unless the chain or the
+    overrides set it: a user's 77k-token tokenizer then needs no second setting, and
+    a preset that leaves it unset resolves, on the default corpus, to exactly the
+    config (and so the run id) it always did. A config written by a run or a sweep
+    states every field, so it never changes under it.
     """
     raw = _with_bases(name_or_path, [])
     cfg = Config.from_dict(raw, where="")
     if overrides:
         cfg = cfg.merge(list(overrides))
+    if vocab_from_data and not _sets_vocab(raw, overrides):
+        cfg = _with_data_vocab(cfg)
     return cfg.validate()
+
+
+def _sets_vocab(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> bool:
+    """Whether the merged YAML chain ``raw`` or an override names ``model.vocab_size``."""
+    model = raw.get("model")
+    return (isinstance(model, dict) and "vocab_size" in model) or any(
+        o.partition("=")[0].strip() == "model.vocab_size" for o in overrides)
+
+
+def _with_data_vocab(cfg: Config) -> Config:
+    """``cfg`` with the vocabulary of the corpus in ``data.dir``; unchanged where there
+    is no manifest yet (training then says the data is missing, in its own words)."""
+    from xmodlm.data.batches import MANIFEST_FILE, load_manifest
+
+    if not (Path(cfg.data.dir) / MANIFEST_FILE).is_file():
+        return cfg
+    vocab = load_manifest(cfg.data.dir)["vocab_size"]
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
 def _with_bases(name_or_path: str | Path, chain: list[str]) -> dict[str, Any]:

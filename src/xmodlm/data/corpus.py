@@ -31,7 +31,8 @@ The user's own data, instead of the default corpus:
   breaks into documents of at most that size, so that even a single large file
   (a whole book, tinyshakespeare) can be split by documents. Project Gutenberg
   headers and licences are removed.
-* JSONL (``--jsonl PATH``): one document per line, string field ``text``.
+* JSONL (``--jsonl PATH``): one document per line, string field ``text`` (or the
+  field ``--jsonl-field`` names).
 * Parquet (``--parquet PATH``): one document per row, string column ``text``.
 * a Hugging Face dataset (``--hf-dataset NAME[:CONFIG]``): split ``train`` and column
   ``text`` unless ``--hf-split`` / ``--hf-column`` say otherwise; ``--hf-streaming``
@@ -500,29 +501,36 @@ def load_text(path: str | Path) -> list[Document]:
     return documents
 
 
-def load_jsonl(path: str | Path) -> list[Document]:
-    """One document per line of a JSONL file: an object with a string field ``text``."""
+JSONL_FIELD = "text"
+"""The field of a JSONL line that holds its document unless ``--jsonl-field`` names another."""
+
+
+def load_jsonl(path: str | Path, field: str = JSONL_FIELD) -> list[Document]:
+    """One document per line of a JSONL file: an object with a string field ``field``."""
     path = _existing_file(path, "JSONL")
     documents = []
     with open(path, encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, 1):
             if not line.strip():
                 continue
-            text = _jsonl_text(path, lineno, line)
+            text = _jsonl_text(path, lineno, line, field)
             if text := normalise_whitespace(text):
                 documents.append(Document(f"jsonl:{path}:{lineno}", text))
     return documents
 
 
-def _jsonl_text(path: Path, lineno: int, line: str) -> str:
-    expected = 'each line must be a JSON object with a string field "text"'
+def _jsonl_text(path: Path, lineno: int, line: str, field: str) -> str:
+    expected = f"each line must be a JSON object with a string field {json.dumps(field)}"
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg}): {expected}") from exc
-    text = row.get("text") if isinstance(row, dict) else None
+    text = row.get(field) if isinstance(row, dict) else None
     if not isinstance(text, str):
-        raise UserError(f'{path}:{lineno}: no string field "text": {expected}')
+        fields = f" (its fields: {', '.join(sorted(row))})" if isinstance(row, dict) else ""
+        hint = "; name the text field with --jsonl-field" if field == JSONL_FIELD else ""
+        raise UserError(f"{path}:{lineno}: no string field {json.dumps(field)}{fields}:"
+                        f" {expected}{hint}")
     return text
 
 
@@ -636,14 +644,24 @@ def resolve_sources(
     hf_column: str = "text",
     hf_streaming: bool = False,
     hf_limit: int | None = None,
+    jsonl_field: str = JSONL_FIELD,
 ) -> list[SourceSpec]:
     """The sources a ``prepare`` call asks for: the user's, or the default corpus if none.
 
     Local files are hashed here (cheap) so that changed input files cause a rebuild.
+    ``jsonl_field`` is recorded as a JSONL source's option only when it is not
+    ``text``, so corpora prepared before it existed still match their request.
     """
+    if not jsonl_field:
+        raise UserError("--jsonl-field is empty: name the field that holds each document")
+    if jsonl_field != JSONL_FIELD and not jsonl:
+        raise UserError(f"--jsonl-field {jsonl_field!r} names a field of --jsonl files:"
+                        " give them with --jsonl PATH")
+    field = (("field", jsonl_field),) if jsonl_field != JSONL_FIELD else ()
     specs = [SourceSpec("text", str(p), _tree_sha256(Path(p))) for p in _unique(texts)]
     specs += [
-        SourceSpec("jsonl", str(p), sha256_file(_existing_file(p, "JSONL"))) for p in _unique(jsonl)
+        SourceSpec("jsonl", str(p), sha256_file(_existing_file(p, "JSONL")), options=field)
+        for p in _unique(jsonl)
     ]
     specs += [
         SourceSpec("parquet", str(p), sha256_file(_existing_file(p, "Parquet")))

