@@ -25,6 +25,7 @@ import pytest
 import torch
 import yaml
 
+from xmodlm import runs
 from xmodlm.cli import main
 from xmodlm.errors import UserError
 from xmodlm.train import checkpoint as ckpt_io
@@ -73,7 +74,7 @@ def world(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     # a run whose only checkpoint is corrupt
     corrupt = root / "corrupt_run"
     train(load_config(cfg, ["train.max_steps=2"]), corrupt, progress=False)
-    weights = ckpt_io.checkpoint_dirs(corrupt)[-1] / "model.safetensors"
+    weights = runs.checkpoint_dirs(corrupt)[-1] / "model.safetensors"
     weights.write_bytes(b"\0" * 64)
     w["corrupt_run"] = str(corrupt)
 
@@ -643,7 +644,7 @@ def test_corrupt_only_checkpoint_needs_restart(
 ) -> None:
     out = tmp_path / "run"
     assert main(_train_args(world, out)) == 0
-    (ckpt_io.checkpoint_dirs(out)[-1] / "state.pt").write_bytes(b"garbage")
+    (runs.checkpoint_dirs(out)[-1] / "state.pt").write_bytes(b"garbage")
     capsys.readouterr()
     assert main(_train_args(world, out, "train.max_steps=4")) == 2
     err = capsys.readouterr().err
@@ -660,7 +661,7 @@ def test_files_follow_the_umask(world: dict[str, str], tmp_path: Path) -> None:
         assert main(_train_args(world, out)) == 0
     finally:
         os.umask(old)
-    ckpt = ckpt_io.checkpoint_dirs(out)[-1]
+    ckpt = runs.checkpoint_dirs(out)[-1]
     assert ckpt.stat().st_mode & 0o777 == 0o775
     for name in ("model.safetensors", "state.pt", "meta.json"):
         assert (ckpt / name).stat().st_mode & 0o777 == 0o664, name
@@ -778,7 +779,7 @@ def test_a_signal_stops_a_sweep_in_one_go(
     started = [d for d in (out / "runs").iterdir() if d.is_dir()]
     assert len(started) == 1, started  # the queued run never started
     run = started[0]
-    assert ckpt_io.checkpoint_dirs(run), "the interrupted run wrote no checkpoint"
+    assert runs.checkpoint_dirs(run), "the interrupted run wrote no checkpoint"
     assert not (run / "failure.json").exists() and not (run / "summary.json").exists()
     assert not (run / ".lock").exists()  # the child let go of the run
     from xmodlm.sweep.runner import run_state
@@ -886,11 +887,11 @@ def test_stray_names_in_ckpt_are_ignored_with_a_note(
     import shutil
 
     run = _copy_run(world["run"], tmp_path / "run")
-    newest = ckpt_io.checkpoint_dirs(run)[-1]
+    newest = runs.checkpoint_dirs(run)[-1]
     shutil.copytree(newest, newest.with_name("step_00000005.bak"))  # a user's backup copy
     (run / "ckpt" / "step_00000009").write_text("not a directory")
     (run / "ckpt" / "step_1").mkdir()
-    assert ckpt_io.checkpoint_dirs(run) == [newest]
+    assert runs.checkpoint_dirs(run) == [newest]
     assert "step_00000005.bak" in capsys.readouterr().err
     assert main(["generate", str(run), "--prompt", "The", "--max-new-tokens", "2"]) == 0
     assert main(["eval", str(run), "--tasks", "", "--batches", "1", "--quiet"]) == 0

@@ -73,7 +73,7 @@ def test_evaluate_run(tiny_run: Path, tmp_path: Path) -> None:
         assert 0 <= task["accuracy"] <= 1 and 0 < task["items"] <= 12
     json.dumps(res)  # JSON-able for `xmod eval --json`
     # KV bytes per token: dense blocks cache every token, sparse ones their routed share
-    from xmodlm.train.checkpoint import load_run
+    from xmodlm.runs import load_run
 
     cfg = load_run(tiny_run)[0].model
     token_bytes = 2 * cfg.d_model * 4  # key and value, fp32
@@ -194,7 +194,7 @@ def test_training_calibrates_and_eval_reports_both_rules(tiny_run: Path, tmp_pat
 
     from xmodlm.eval.calibrate import calibrate_run
     from xmodlm.model.kv_cache import kv_bytes_formula
-    from xmodlm.train.checkpoint import checkpoint_dirs, load_run, rewrite_model_weights
+    from xmodlm.runs import checkpoint_dirs, load_run, rewrite_model_weights
 
     cfg, model, _ = load_run(tiny_run)
     assert model.threshold_rule() == "calibrated"

@@ -18,7 +18,7 @@ from xmodlm.errors import UserError
 from xmodlm.eval.scoring import rolling_logprob, score_continuations
 from xmodlm.eval.tasks import load_or_build_items, score_task, sequence_logprobs, wilson_interval
 from xmodlm.model.generate import generate
-from xmodlm.train.checkpoint import load_run
+from xmodlm.runs import load_run
 from xmodlm.train.trainer import train
 
 

@@ -17,8 +17,8 @@ import torch
 from xmodlm.cli import main
 from xmodlm.config import Config, TrainConfig, load_config
 from xmodlm.errors import UserError
+from xmodlm.runs import checkpoint_dirs, load_run
 from xmodlm.train import checkpoint as ckpt_io
-from xmodlm.train.checkpoint import checkpoint_dirs, load_run
 from xmodlm.train.loggers import read_metrics
 from xmodlm.train.optim import lr_at
 from xmodlm.train.trainer import train
@@ -257,7 +257,7 @@ def test_divergence_stops_the_run(tiny_data_dir: Path, tmp_path: Path) -> None:
 
 def test_compute_budget_gives_tokens(tiny_data_dir: Path, tmp_path: Path) -> None:
     from xmodlm import flops
-    from xmodlm.train.trainer import resolve_budget
+    from xmodlm.config import resolve_budget
 
     cfg = small_cfg(tiny_data_dir)
     per_step = 4 * 32

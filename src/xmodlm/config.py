@@ -283,6 +283,51 @@ class Config:
         return Config.from_dict(raw, where="")
 
 
+@dataclass
+class Budget:
+    """How long a run trains: its optimiser steps, the tokens each step takes (on all
+    ranks) and which setting set them (max_steps, tokens or compute)."""
+
+    total_steps: int
+    tokens_per_step: int
+    source: str
+
+
+def resolve_budget(cfg: Config, world_size: int) -> Budget:
+    """Steps from train.max_steps, else the token budget, else compute C (D = C / F).
+    Here, beside the settings it reads, because the trainer and a sweep's plan must
+    count the same steps."""
+    from xmodlm import flops  # flops reads ModelConfig from this module
+
+    t = cfg.train
+    per_step = t.batch_size * t.grad_accum * world_size * cfg.model.context
+    if t.max_steps > 0:
+        return Budget(t.max_steps, per_step, "max_steps")
+    if t.tokens > 0:
+        tokens, source = float(t.tokens), "tokens"
+    elif t.compute > 0:
+        tokens, source = t.compute / flops.count(cfg.model).flops_train, "compute"
+    else:
+        raise UserError(
+            "no training budget: set train.max_steps, train.tokens or train.compute (FLOPs)"
+        )
+    steps = int(tokens // per_step)
+    if steps < 1:
+        raise UserError(
+            f"train.{source} gives {tokens:.3g} tokens, less than one batch of {per_step} tokens"
+            " (batch_size x grad_accum x ranks x context): raise the budget or shrink the batch"
+        )
+    return Budget(steps, per_step, source)
+
+
+RESUME_FREE = frozenset({
+    "device", "compile", "eval_every", "log_every", "ckpt_every", "keep_last", "max_bad_steps",
+    "tensorboard", "wandb", "wandb_project", "wandb_entity", "wandb_tags",
+})
+"""Train settings a resumed run may change freely: they do not change what is trained
+(the trainer checks a resume against them; a sweep lets ``--set`` change only these)."""
+
+
 def _build(cls: type, raw: Any, where: str) -> Any:
     """Build dataclass ``cls`` from ``raw``, rejecting unknown keys and wrong types."""
     if not isinstance(raw, dict):

@@ -25,7 +25,7 @@ whole export.
 
 :func:`load_pretrained` reads either an exported directory or a training run
 directory, through the same safetensors loader the trainer uses
-(:func:`xmodlm.train.checkpoint.load_model_weights`); nothing on the load path
+(:func:`xmodlm.runs.load_model_weights`); nothing on the load path
 unpickles.
 """
 
@@ -168,7 +168,7 @@ def export_run(
     :class:`UserError` too, and leaves every file there whole.
     """
     from xmodlm.fileio import sha256_file
-    from xmodlm.train.checkpoint import load_run, tokenizer_path
+    from xmodlm.runs import load_run, tokenizer_path
 
     run = Path(run_dir)
     if is_exported(run):
@@ -266,14 +266,14 @@ def _write_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    from xmodlm.fileio import fsync_dir
-    from xmodlm.train.checkpoint import _untie, follow_umask
+    from xmodlm.fileio import follow_umask, fsync_dir
+    from xmodlm.runs import untie_weights
 
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
     try:
-        save_file(_untie(weights), str(tmp), metadata={"format": "pt"})
+        save_file(untie_weights(weights), str(tmp), metadata={"format": "pt"})
         follow_umask(tmp)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
@@ -316,7 +316,7 @@ def load_pretrained(
     safetensors only; nothing is unpickled.
     """
     from xmodlm.model import Transformer
-    from xmodlm.train.checkpoint import load_model_weights, load_run, tokenizer_path
+    from xmodlm.runs import load_model_weights, load_run, tokenizer_path
 
     where = Path(path)
     if is_exported(where):

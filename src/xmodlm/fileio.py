@@ -118,3 +118,15 @@ def sha256_file(path: Path) -> str:
         while block := handle.read(_HASH_BLOCK):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path, directory: bool = False) -> None:
+    """Give ``path`` the mode a plain ``open``/``mkdir`` would (``mkdtemp`` makes 0700 and
+    safetensors 0600 files, whatever the umask)."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())

@@ -217,7 +217,7 @@ def decode_runs(
     """
     from xmodlm.data.batches import load_split
     from xmodlm.hardware import environment_record
-    from xmodlm.train.checkpoint import load_run
+    from xmodlm.runs import load_run
 
     if len(run_dirs) < 2:
         raise UserError("--decode-runs: give at least two run directories, comma-separated")

@@ -31,7 +31,7 @@ from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_json
 from xmodlm.hardware import autocast_context
 from xmodlm.model import Transformer
-from xmodlm.train.checkpoint import load_run, rewrite_model_weights
+from xmodlm.runs import load_run, rewrite_model_weights
 
 CALIBRATION_TOKENS = 32768
 CALIBRATION_FILE = "calibration.json"

@@ -29,7 +29,7 @@ from xmodlm.eval.calibrate import calibration_windows
 from xmodlm.eval.loss import evaluate
 from xmodlm.fileio import cache_dir
 from xmodlm.model.kv_cache import kv_bytes_formula
-from xmodlm.train.checkpoint import load_run, tokenizer_path
+from xmodlm.runs import load_run, tokenizer_path
 
 
 def evaluate_run(

@@ -49,7 +49,7 @@ from xmodlm.eval.scoring import score_continuations
 from xmodlm.fileio import atomic_open, cache_dir
 from xmodlm.model.generate import generate
 from xmodlm.progress import Progress
-from xmodlm.train.checkpoint import load_run, tokenizer_path
+from xmodlm.runs import load_run, tokenizer_path
 
 LOCAL_TASKS = ("xmod_cloze", "xmod_minimal_pairs", "xmod_cloze_gen", "xmod_heldout")
 GEN_STOPS = [".", ",", ";", ":", "!", "?", "\n"]

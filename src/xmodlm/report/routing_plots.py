@@ -33,7 +33,7 @@ from xmodlm.fileio import atomic_savefig, atomic_write_text
 from xmodlm.model import Transformer
 from xmodlm.model.blocks import RoutedBlock
 from xmodlm.model.layers import matmul_dtype
-from xmodlm.train.checkpoint import load_run, tokenizer_path
+from xmodlm.runs import load_run, tokenizer_path
 from xmodlm.train.loggers import read_metrics
 
 CMAP = "YlOrRd"

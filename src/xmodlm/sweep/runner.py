@@ -257,13 +257,13 @@ def check_run_set(items: Sequence[str], cfg: Config) -> tuple[str, ...]:
 
     A run's id hashes its configuration, so changing any setting in the spec
     makes new runs. The train settings that a resumed run may change freely
-    (:data:`xmodlm.train.trainer.RESUME_FREE`: device, compile, logging and
+    (:data:`xmodlm.config.RESUME_FREE`: device, compile, logging and
     checkpoint cadence, trackers) do not change what is trained; these may be set
     per invocation instead, passed to every run's ``xmod train`` (``--set``), so
     that a committed sweep can be resumed compiled, or on a GPU, under the same
     ids. Each value is checked on ``cfg`` (one of the sweep's run configs).
     """
-    from xmodlm.train.trainer import RESUME_FREE
+    from xmodlm.config import RESUME_FREE
 
     allowed = ", ".join(f"train.{k}" for k in sorted(RESUME_FREE))
     for item in items:

@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from xmodlm import flops, record
-from xmodlm.config import Config, load_config
+from xmodlm.config import Config, load_config, resolve_budget
 from xmodlm.errors import UserError
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -129,8 +129,6 @@ class RunSpec:
     @property
     def steps(self) -> int:
         """Optimiser steps this run will take on one rank (the trainer's budget rule)."""
-        from xmodlm.train.trainer import resolve_budget
-
         return resolve_budget(self.cfg, world_size=1).total_steps
 
 

@@ -1,4 +1,4 @@
-"""Checkpoints and run directories.
+"""Writing checkpoints and run directories (reading them: :mod:`xmodlm.runs`).
 
 A run directory holds::
 
@@ -14,47 +14,26 @@ A checkpoint directory is complete once ``meta.json`` exists: it is written last
 after everything else was fsynced, and the directory itself is renamed into place
 from a temporary name, so a crash leaves either a whole checkpoint or none.
 
-Only names of exactly that form (``step_`` and eight digits) are checkpoints;
-anything else in ``ckpt/`` (a user's ``step_00000005.bak`` copy, an editor's
-file) is left alone, named once on stderr, and never loaded, pruned or parsed.
+Only names of exactly that form (``step_`` and eight digits) are checkpoints
+(:func:`xmodlm.runs.checkpoint_dirs`); anything else in ``ckpt/`` is never loaded,
+pruned or parsed.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import save_file
 
-from xmodlm.config import Config, load_config
 from xmodlm.errors import UserError
-from xmodlm.fileio import atomic_open, atomic_write_json, fsync_dir
-from xmodlm.info import check_memory
-from xmodlm.model import Transformer
-
-CKPT_DIR = "ckpt"
-_CKPT_NAME = re.compile(r"step_(\d{8})")
-_noted_strays: set[Path] = set()
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def follow_umask(path: Path, directory: bool = False) -> None:
-    """Give ``path`` the mode a plain ``open``/``mkdir`` would (``mkdtemp`` makes 0700 and
-    safetensors 0600 files, whatever the umask)."""
-    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+from xmodlm.fileio import atomic_write_json, follow_umask, fsync_dir
+from xmodlm.runs import CKPT_DIR, checkpoint_dirs, untie_weights
 
 
 def abandoned_tmp_dirs(run_dir: Path) -> list[Path]:
@@ -69,31 +48,6 @@ def clean_abandoned(run_dir: Path) -> list[Path]:
     for tmp in found:
         shutil.rmtree(tmp, ignore_errors=True)
     return found
-
-
-def checkpoint_step(ckpt: Path) -> int:
-    """The step of a checkpoint directory named ``step_NNNNNNNN``."""
-    match = _CKPT_NAME.fullmatch(Path(ckpt).name)
-    assert match is not None, ckpt  # only checkpoint_dirs' names reach here
-    return int(match.group(1))
-
-
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first. Other ``step_*`` entries (a
-    backup copy ``step_00000005.bak``) are not checkpoints: noted once, ignored."""
-    root = Path(run_dir) / CKPT_DIR
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.glob("step_*"):
-        if _CKPT_NAME.fullmatch(p.name):
-            if (p / "meta.json").is_file():
-                found.append(p)
-        elif p not in _noted_strays:
-            _noted_strays.add(p)
-            print(f"note: ignoring {p}: not a checkpoint name (step_ and 8 digits)",
-                  file=sys.stderr)
-    return sorted(found, key=checkpoint_step)
 
 
 def check_finished_run_resumable(run_dir: Path) -> None:
@@ -137,7 +91,7 @@ def save_checkpoint(
         follow_umask(tmp, directory=True)
         full = model if isinstance(model, dict) else model.state_dict()
         weights = {k: v.detach().contiguous().cpu() for k, v in full.items()}
-        save_file(_untie(weights), str(tmp / "model.safetensors"))
+        save_file(untie_weights(weights), str(tmp / "model.safetensors"))
         torch.save(state, tmp / "state.pt")
         for name in ("model.safetensors", "state.pt"):
             follow_umask(tmp / name)
@@ -157,62 +111,6 @@ def save_checkpoint(
     for old in checkpoint_dirs(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def rewrite_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
-    """Replace a complete checkpoint's ``model.safetensors`` with ``model``'s weights,
-    atomically (a crash leaves the old file or the new one); its training state is
-    not touched. For buffers no training step reads, such as calibrated thresholds."""
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    path = Path(ckpt) / "model.safetensors"
-    try:
-        with atomic_open(path) as f:
-            f.write(save(_untie(weights)))
-        follow_umask(path)
-    except OSError as err:
-        raise OSError(err.errno, err.strerror or str(err), err.filename or str(path)) from err
-
-
-def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses shared storage (tied embeddings): store a copy."""
-    seen: dict[int, str] = {}
-    out = {}
-    for k, v in weights.items():
-        ptr = v.data_ptr()
-        out[k] = v.clone() if ptr in seen else v
-        seen.setdefault(ptr, k)
-    return out
-
-
-def load_model_weights(
-    ckpt: Path,
-    model: torch.nn.Module,
-    load: Callable[[dict[str, torch.Tensor]], Any] | None = None,
-) -> None:
-    """Load ``model.safetensors`` into ``model``; any mismatch is a UserError naming the file.
-
-    ``load`` replaces ``model.load_state_dict(weights, strict=True)`` (a sharded
-    model scatters the full weights instead).
-    """
-    path = Path(ckpt) / "model.safetensors"
-    try:
-        weights = load_file(str(path))
-    except Exception as err:  # truncated or not a safetensors file
-        raise UserError(f"checkpoint {path} cannot be read: {err}") from None
-    own = model.state_dict()
-    for k, v in weights.items():  # gate gammas were 0-d scalars in earlier checkpoints
-        if v.dim() == 0 and k in own and own[k].shape == (1,):
-            weights[k] = v.reshape(1)
-    try:
-        if load is None:
-            model.load_state_dict(weights, strict=True)
-        else:
-            load(weights)
-    except (RuntimeError, KeyError, ValueError):
-        raise UserError(
-            f"checkpoint {path} does not match the run's configuration"
-            " (different architecture): use the config it was trained with"
-        ) from None
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:
@@ -236,46 +134,3 @@ def _one_line(err: Exception) -> str:
     return " ".join(str(err).split())[:300]
 
 
-def load_run(
-    run_dir: str | Path, device: str = "cpu", step: int | None = None
-) -> tuple[Config, Transformer, Path]:
-    """The model of a finished or running run: (config, model in eval mode, checkpoint).
-
-    Uses the newest complete checkpoint that loads (or ``step``); a checkpoint that
-    fails to load is reported by name and the previous one is tried.
-    """
-    run = Path(run_dir)
-    if not (run / "config.yaml").is_file():
-        from xmodlm.export import is_exported
-
-        if is_exported(run):
-            raise UserError(
-                f"{str(run)!r} is an export (config.json + model.safetensors), not a run"
-                " directory: pass the run it was exported from (the --out of xmod train),"
-                f" or load the export with xmodlm.load_pretrained({str(run)!r})"
-            )
-        raise UserError(f"run directory {str(run)!r} not found or has no config.yaml")
-    cfg = load_config(run / "config.yaml")
-    ckpts = checkpoint_dirs(run)
-    if step is not None:
-        ckpts = [p for p in ckpts if checkpoint_step(p) == step]
-    if not ckpts:
-        raise UserError(f"run directory {str(run)!r} has no complete checkpoint yet")
-    check_memory(cfg.model, torch.device(device), "load")
-    errors = []
-    for ckpt in reversed(ckpts):
-        model = Transformer(cfg.model)
-        try:
-            load_model_weights(ckpt, model)
-        except UserError as err:
-            errors.append(str(err))
-            continue
-        return cfg, model.to(device).eval(), ckpt
-    raise UserError(errors[0] if len(errors) == 1 else f"no checkpoint loads: {errors[0]}")
-
-
-def tokenizer_path(run_dir: str | Path) -> Path:
-    path = Path(run_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise UserError(f"run directory {str(run_dir)!r} has no tokenizer.json")
-    return path

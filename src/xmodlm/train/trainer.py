@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xmodlm import flops
-from xmodlm.config import Config, load_config
+from xmodlm import flops, runs
+from xmodlm.config import RESUME_FREE, Budget, Config, load_config, resolve_budget
 from xmodlm.data.batches import (
     check_tokenizer,
     get_batch,
@@ -103,36 +103,6 @@ def _env_rank(name: str, default: str, low: int = 0, high: int | None = None) ->
 
 
 @dataclass
-class Budget:
-    total_steps: int
-    tokens_per_step: int
-    source: str  # what set the budget: max_steps, tokens or compute
-
-
-def resolve_budget(cfg: Config, world_size: int) -> Budget:
-    """Steps from train.max_steps, else the token budget, else compute C (D = C / F)."""
-    t = cfg.train
-    per_step = t.batch_size * t.grad_accum * world_size * cfg.model.context
-    if t.max_steps > 0:
-        return Budget(t.max_steps, per_step, "max_steps")
-    if t.tokens > 0:
-        tokens, source = float(t.tokens), "tokens"
-    elif t.compute > 0:
-        tokens, source = t.compute / flops.count(cfg.model).flops_train, "compute"
-    else:
-        raise UserError(
-            "no training budget: set train.max_steps, train.tokens or train.compute (FLOPs)"
-        )
-    steps = int(tokens // per_step)
-    if steps < 1:
-        raise UserError(
-            f"train.{source} gives {tokens:.3g} tokens, less than one batch of {per_step} tokens"
-            " (batch_size x grad_accum x ranks x context): raise the budget or shrink the batch"
-        )
-    return Budget(steps, per_step, source)
-
-
-@dataclass
 class TrainState:
     step: int = 0  # optimiser steps completed
     tokens: int = 0
@@ -172,13 +142,6 @@ class _StopFlag:
                 signal.signal(s, h)
 
 
-RESUME_FREE = frozenset({
-    "device", "compile", "eval_every", "log_every", "ckpt_every", "keep_last", "max_bad_steps",
-    "tensorboard", "wandb", "wandb_project", "wandb_entity", "wandb_tags",
-})
-"""Train settings a resumed run may change freely: they do not change what is trained."""
-
-
 def _changed_train_settings(old: Config, new: Config) -> list[str]:
     """``key: old -> new`` for each train setting (outside RESUME_FREE) that differs."""
     out = []
@@ -207,7 +170,7 @@ def _prepare_run_dir(
                 " resume with the same config or choose a new --out"
             )
         changed = _changed_train_settings(old, cfg)
-        if changed and not (force or restart) and ckpt_io.checkpoint_dirs(run):
+        if changed and not (force or restart) and runs.checkpoint_dirs(run):
             raise UserError(
                 f"run directory {str(run)!r} was trained with other train settings"
                 f" ({'; '.join(changed)}): resume with the same settings, or pass --force"
@@ -248,7 +211,7 @@ def _clear_run(run: Path, restart: bool) -> None:
     for tmp in ckpt_io.clean_abandoned(run):
         print(f"removed {tmp}, a checkpoint whose writer was stopped mid-write", file=sys.stderr)
     if restart:
-        shutil.rmtree(run / ckpt_io.CKPT_DIR, ignore_errors=True)
+        shutil.rmtree(run / runs.CKPT_DIR, ignore_errors=True)
         for name in ("metrics.jsonl", "summary.json"):
             (run / name).unlink(missing_ok=True)
 
@@ -267,11 +230,11 @@ def _restore(
     from step 0 would silently throw the run away: that is a UserError unless
     ``restart``.
     """
-    ckpts = ckpt_io.checkpoint_dirs(run)
+    ckpts = runs.checkpoint_dirs(run)
     first_error = None
     for left, ckpt in reversed(list(enumerate(ckpts))):
         try:
-            ckpt_io.load_model_weights(
+            runs.load_model_weights(
                 ckpt, model, load=_sharded_loader(model) if sharded else None
             )
             state = ckpt_io.load_state(ckpt)
