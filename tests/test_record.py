@@ -3,7 +3,11 @@ reader of a run agrees with it, for an explicit layout too."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import re
+from collections.abc import Callable
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -12,6 +16,8 @@ from xmodlm import flops, record
 from xmodlm.config import ModelConfig
 from xmodlm.law.table import validate
 from xmodlm.report.sweep_report import _run_label
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "xmodlm"
 
 
 def _anchors_first() -> ModelConfig:
@@ -63,3 +69,56 @@ def test_family_and_sparse_rule() -> None:
     assert record.family("EE", "logit", 1) == "moe"
     assert record.is_sparse(4, 0.5) and not record.is_sparse(4, 1.0)
     assert record.is_sparse(1, 1.0, "Dss") and not record.is_sparse(4, 0.5, "DDDD")
+
+
+def _code_sites(match: Callable[[ast.AST], bool]) -> list[str]:
+    """``file:line`` of every node of the package's code (docstrings and comments
+    aside) for which ``match`` holds."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if match(node):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    return found
+
+
+def _rho_closed_form(node: ast.AST) -> bool:
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and bool(
+        re.search(r"/ \(1 \+ [\w\[\]'\"]+ \* \([\w\[\]'\"]+ - 1\)\)", ast.unparse(node)))
+
+
+def _sparse_rule(node: ast.AST) -> bool:
+    return isinstance(node, ast.BoolOp) and bool(re.search(
+        r"stride\W* > 1 and .*capacity\W* < 1|stride\W* == 1 or .*capacity\W* >= 1",
+        ast.unparse(node)))
+
+
+def _anchors_first_rule(node: ast.AST) -> bool:
+    return isinstance(node, ast.BoolOp) and "[1:]) == {'s'}" in ast.unparse(node)
+
+
+def _row_mapping(node: ast.AST) -> bool:
+    keys = {k.value for k in getattr(node, "keys", []) if isinstance(k, ast.Constant)}
+    return isinstance(node, ast.Dict) and {"family", "width", "params_active"} <= keys
+
+
+@pytest.mark.parametrize("rule", [_rho_closed_form, _sparse_rule, _anchors_first_rule,
+                                  _row_mapping], ids=lambda r: r.__name__.strip("_"))
+def test_each_rule_has_one_home(rule: Callable[[ast.AST], bool]) -> None:
+    """rho, the sparse rule, the anchors ablation and a config's row are written once,
+    in record.py (the closed form of rho not even there: it is derived from the layout)."""
+    sites = _code_sites(rule)
+    home = [] if rule is _rho_closed_form else ["record.py"]
+    assert [s.split(":")[0] for s in sites] == home, sites
+
+
+def test_one_home_check_sees_a_copy(tmp_path: Path) -> None:
+    """The checks above turn red on a reintroduced copy."""
+    copy = ("def f(stride, capacity, layout, m, c):\n"
+            "    rho = stride / (1 + capacity * (stride - 1))\n"
+            "    sparse = stride > 1 and capacity < 1\n"
+            "    first = len(layout) > 1 and set(layout[1:]) == {'s'}\n"
+            "    return {'family': m.family, 'width': m.d_model, 'params_active': c.params_active}\n")
+    nodes = list(ast.walk(ast.parse(copy)))
+    for rule in (_rho_closed_form, _sparse_rule, _anchors_first_rule, _row_mapping):
+        assert any(rule(n) for n in nodes), rule.__name__

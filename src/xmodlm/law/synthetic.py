@@ -95,17 +95,7 @@ def synthetic_runs(
         rhos.append(flops.expansion_ratio(cfg))
         rows.append(
             {
-                "family": cfg.family,
-                "width": cfg.d_model,
-                "n_layers": cfg.n_layers,
-                "stride": stride,
-                "capacity": capacity,
-                "context": context,
-                "gating": cfg.gating,
-                "balance_coef": cfg.balance_coef,
-                "params_total": counts.params_total,
-                "params_active": counts.params_active,
-                "flops_per_token": counts.flops_train,
+                **record.config_row(cfg, counts),
                 "tokens": compute / counts.flops_train,
                 "compute": compute,
                 "seed": seed,

@@ -25,6 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from xmodlm import record
 from xmodlm.fileio import atomic_savefig
 from xmodlm.law import dense
 from xmodlm.law.delta import Features
@@ -132,7 +133,7 @@ def _delta(fit: LawFit, frame: pd.DataFrame) -> Figure:
                     "params_active": runs["params_active"].median(),
                 }
             )
-            curve["rho"] = s / (1 + c * (s - 1))
+            curve["rho"] = [record.expansion_ratio(record.derive_layout(s, s, ci), ci) for ci in c]
             ax.plot(
                 curve["rho"],
                 law.spec.predict(law.value, Features.of(curve, fit.reference)),

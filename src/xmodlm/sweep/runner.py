@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -534,9 +534,6 @@ def _record(run: Path, outcome: dict[str, Any], needs_eval: bool, bar: Progress)
     else:
         (run / "failure.json").unlink(missing_ok=True)
     bar.finished(outcome["run_id"], failed=outcome["status"] == "failed")
-
-
-Submit = Callable[[list[Job], Progress, int, SweepStop], Iterable[dict[str, Any]]]
 
 
 @dataclass(frozen=True)
