@@ -307,7 +307,8 @@ def test_report_names_resolved_terms_and_the_law_answer_per_cell(sparse_helps: L
     """The sweep report's law section says per named term whether the data resolve it
     (one context: the context term is held, not fitted), and its headline carries what
     `recommend` answers at each cell's budget for the cell's dense model."""
-    from xmodlm.report.sweep_report import _law_section, headline
+    from xmodlm.report.analysis import headline
+    from xmodlm.report.sweep_report import _law_section
 
     terms = _law_section(sparse_helps, "fit.json")["terms"]
     assert set(terms) == {"capacity", "context", "interaction"}
@@ -343,7 +344,7 @@ def test_the_selected_law_is_scored_under_every_protocol(
     one = sparse_helps.metrics["heldout_by_protocol"]
     assert "2 or more context lengths" in one["longest-context"]["not_applicable"]
     assert one["top-compute"]["rmse"] > 0
-    from xmodlm.report.sweep_report import _protocols_markdown
+    from xmodlm.report.render import _protocols_markdown
 
     md = "\n".join(_protocols_markdown(one, sparse_helps.metrics["heldout_protocol"]))
     assert f"| leave-cell-out (selects the form) | {one['leave-cell-out']['n']} |" in md

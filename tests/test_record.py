@@ -15,7 +15,7 @@ import pytest
 from xmodlm import flops, record
 from xmodlm.config import ModelConfig
 from xmodlm.law.table import validate
-from xmodlm.report.sweep_report import _run_label
+from xmodlm.report.analysis import run_label
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "xmodlm"
 
@@ -48,7 +48,7 @@ def test_rho_of_an_explicit_layout_agrees_across_law_report_and_flops() -> None:
     assert list(frame["rho"]) == pytest.approx([rho, flops.expansion_ratio(derived), 1.0])
     assert list(frame["is_sparse"]) == [True, True, False]
     assert list(frame["variant"]) == ["xmod[anchors=first]", "xmod", "dense"]
-    labels = [_run_label(r) for r in table.to_dict("records")]
+    labels = [run_label(r) for r in table.to_dict("records")]
     assert labels[0].endswith("anchors=first lr=0.001") and "anchors" not in labels[1]
     assert labels[2] == "dense lr=0.001"
 

@@ -13,8 +13,9 @@ import torch
 from conftest import tiny_model_cfg
 from xmodlm.cli import main
 from xmodlm.config import load_config
+from xmodlm.report.analysis import match_to_dense
 from xmodlm.report.dynamics import SPIKE_THRESHOLD, count_spikes, grad_norm_peaks, run_dynamics
-from xmodlm.report.sweep_report import match_to_dense, sweep_report
+from xmodlm.report.sweep_report import sweep_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -532,7 +533,7 @@ def test_residual_rms_at_init_is_the_run_model_rebuilt(tmp_path: Path, tiny_data
 def test_pairs_that_mix_cpu_kinds_dtypes_or_compile_modes_are_flagged() -> None:
     """A routed run and its dense partner on two CPU kinds (or dtypes, compile modes)
     are two draws: the comparison says so; unrecorded values flag nothing."""
-    from xmodlm.report.sweep_report import mixed_pair
+    from xmodlm.report.analysis import mixed_pair
 
     a = pd.Series({"cpu_kind": "AMD EPYC (family 26 model 2; avx2 avx512f)", "dtype": "fp32",
                    "compile": "on"})

@@ -1,0 +1,580 @@
+"""The numbers of a sweep report, computed from its results table alone.
+
+Each function here takes the finished runs (:func:`finished_table`) or their
+comparisons to dense (:func:`match_to_dense`) and returns plain dicts and lists
+that go into ``report.json`` as they are; the wording lives in
+:mod:`xmodlm.report.render`, and what needs more than the table (the run records,
+control sweeps, a law fit) in :mod:`xmodlm.report.sweep_report`. Kept apart so
+that a number can be tested, and recomputed, without the text around it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from xmodlm import record
+from xmodlm.errors import UserError
+from xmodlm.law.table import finished_runs
+from xmodlm.pairing import NO_PARTNER, dense_partners
+
+if TYPE_CHECKING:
+    from xmodlm.law.fit import LawFit
+
+REQUIRED = ("family", "width", "context", "val_loss")
+TIER_GAP = 0.15  # decades between distinct compute budgets
+CONFIG_KEYS = ("family", "stride", "capacity", "gating", "balance_coef")
+PAIR_KEYS = ("tier", "context", "width", *CONFIG_KEYS, "layout", "lr")
+
+
+def config_label(key: tuple[Any, ...]) -> str:
+    family, stride, capacity, gating, balance = key
+    if family == "moe":
+        return "moe"
+    return f"{family} S={stride} c={capacity:g} {gating} bal={balance:g}"
+
+
+def run_label(row: dict[str, Any]) -> str:
+    """The configuration of a run (or of a group of seeds) as the report names it:
+    mechanism settings, anchors when only the first block of the stack is dense,
+    and the peak learning rate where the sweep records it."""
+    base = record.DENSE if record.is_dense(row["family"]) else config_label(
+        tuple(row[k] for k in CONFIG_KEYS))
+    return (base + (" anchors=first" if _first_anchor_only(row) else "")
+            + (f" lr={row['lr']:g}" if np.isfinite(row["lr"]) else ""))
+
+
+def finished_table(raw: pd.DataFrame, path: str | Path) -> tuple[pd.DataFrame, int]:
+    """The finished runs of the results table ``raw`` (read from ``path``), compute numeric."""
+    missing = [c for c in REQUIRED if c not in raw.columns]
+    if "compute" not in raw.columns and not {"flops_per_token", "tokens"} <= set(raw.columns):
+        missing.append("compute (or flops_per_token and tokens)")
+    if missing:
+        raise UserError(
+            f"results table {str(path)!r} lacks column(s) {', '.join(missing)};"
+            " `xmod sweep` writes all of them"
+        )
+    df, left_out = finished_runs(raw)
+    df = df.reset_index(drop=True).copy()
+    if "compute" not in df.columns:
+        df["compute"] = df["flops_per_token"] * df["tokens"]
+    for col in ("width", "context", "val_loss", "compute"):
+        df[col] = pd.to_numeric(df[col], errors="coerce")
+    bad = ~(np.isfinite(df["val_loss"]) & (df["compute"] > 0) & (df["width"] > 0))
+    if bad.any():
+        row = int(bad.idxmax())
+        raise UserError(
+            f"results table {str(path)!r} row {row}: val_loss, compute and width must be"
+            " positive finite numbers"
+        )
+    if df.empty:
+        raise UserError(f"results table {str(path)!r} has no finished runs")
+    df["family"] = df["family"].astype(str).str.strip().str.lower()
+    if "seed" not in df.columns:
+        df["seed"] = 0
+    for col, default in (("stride", 1), ("capacity", 1.0), ("gating", "-"), ("balance_coef", 0.0),
+                         ("layout", ""), ("lr", np.nan)):
+        if col not in df.columns:
+            df[col] = default
+    df["layout"] = df["layout"].fillna("").astype(str)
+    df["lr"] = pd.to_numeric(df["lr"], errors="coerce")
+    # budgets are per context: FLOP-matching at another context gives other budgets
+    # (2.2e13 at T = 128 beside 2.8e13 at T = 512 must not read as one tier)
+    df["tier"] = 0.0
+    for rows in df.groupby("context").indices.values():
+        df.loc[df.index[rows], "tier"] = _tiers(df["compute"].to_numpy(float)[rows])
+    # the compared loss: causal routing where recorded (dense runs: the same number)
+    causal = pd.to_numeric(df.get("val_loss_causal", pd.Series(np.nan, df.index)), errors="coerce")
+    df["loss"] = causal.where(np.isfinite(causal), df["val_loss"])
+    return df, left_out
+
+
+def _tiers(compute: np.ndarray) -> np.ndarray:
+    """Budget of each run: the median compute of its cluster of nearby computes (2 digits)."""
+    logc = np.log10(compute)
+    order = np.argsort(logc)
+    cluster = np.zeros(len(logc), dtype=int)
+    for prev, cur in zip(order[:-1], order[1:], strict=True):
+        cluster[cur] = cluster[prev] + (logc[cur] - logc[prev] > TIER_GAP)
+    centers = pd.Series(logc).groupby(cluster).transform("median").to_numpy()
+    return np.array([float(f"{10**c:.2g}") for c in centers])
+
+
+def _task_columns(df: pd.DataFrame) -> list[str]:
+    """The downstream-task accuracy columns of a results table (``task_<name>``)."""
+    return sorted(c for c in df.columns if c.startswith("task_"))
+
+
+def mixed_pair(run: pd.Series, ref: pd.Series) -> str:
+    """What a routed run and its dense partner do not share of
+    :data:`record.PAIRING_COLUMNS` ("" when they share all, or it is not recorded)."""
+    return ", ".join(
+        f"{k}: {run.get(k)} vs {ref.get(k)}" for k in record.PAIRING_COLUMNS
+        if pd.notna(run.get(k)) and pd.notna(ref.get(k)) and run.get(k) != ref.get(k)
+    )
+
+
+def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """One row per non-dense run with its FLOP-matched dense reference
+    (:func:`xmodlm.pairing.dense_partners`); and the unmatched count."""
+    partners = dense_partners(df, record.is_dense(df["family"]))
+    rows, unmatched = [], 0
+    for i in np.flatnonzero(~record.is_dense(df["family"].to_numpy())):
+        if partners[i] == NO_PARTNER:
+            unmatched += 1
+            continue
+        run, ref = df.iloc[i], df.iloc[partners[i]]
+        lr = float(run.get("lr", np.nan))
+        rows.append(
+            {
+                "tier": run["tier"],
+                "family": run["family"],
+                "context": int(run["context"]),
+                "width": int(run["width"]),
+                "seed": run["seed"],
+                "stride": run["stride"],
+                "capacity": run["capacity"],
+                "gating": run["gating"],
+                "balance_coef": float(run["balance_coef"]),
+                "layout": run.get("layout", ""),
+                "lr": lr,
+                "loss": run.get("loss", run["val_loss"]),
+                "dense_loss": ref.get("loss", ref["val_loss"]),
+                "delta": run.get("loss", run["val_loss"]) - ref.get("loss", ref["val_loss"]),
+                "delta_topk": run["val_loss"] - ref["val_loss"],
+                "compute_ratio": run["compute"] / ref["compute"],
+                "run_id": run.get("run_id"),
+                "dense_run_id": ref.get("run_id"),
+                "mixed": mixed_pair(run, ref),
+                **{f"delta_{k}": float(run[k]) - float(ref[k]) for k in _task_columns(df)
+                   if pd.notna(run.get(k)) and pd.notna(ref.get(k))},
+            }
+        )
+    return pd.DataFrame(rows), unmatched
+
+
+def _summary(delta: pd.Series) -> dict[str, Any]:
+    return {
+        "n": len(delta),
+        "lose": int((delta > 0).sum()),
+        "median": float(delta.median()),
+        "best": float(delta.min()),
+        "worst": float(delta.max()),
+    }
+
+
+def over_seeds(d: np.ndarray) -> dict[str, Any]:
+    """Mean +- standard error of per-seed values and the 95% t-interval (n - 1
+    degrees of freedom); ``resolved`` only when n >= 2 and the interval excludes
+    zero. One seed gives a value with no error bar: reported, never resolved."""
+    from scipy.stats import t as student_t
+
+    n = len(d)
+    mean = float(np.mean(d))
+    se = float(np.std(d, ddof=1) / np.sqrt(n)) if n > 1 else None
+    half = float(student_t.ppf(0.975, n - 1) * se) if se is not None else None
+    ci = [mean - half, mean + half] if half is not None else None
+    return {"n": n, "mean": mean, "se": se, "ci95": ci,
+            "resolved": bool(ci is not None and (ci[0] > 0 or ci[1] < 0))}
+
+
+def paired(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
+    """Each configuration's paired difference to dense over its seeds (:func:`over_seeds`)."""
+    out = []
+    keys = list(PAIR_KEYS)
+    for key, g in comparisons.groupby(keys, dropna=False, sort=True):
+        row = dict(zip(keys, key, strict=True))
+        out.append({
+            "config": run_label(row), "family": str(row["family"]),
+            "tier": float(row["tier"]), "context": int(row["context"]), "width": int(row["width"]),
+            "seeds": sorted(int(x) for x in g["seed"]), **over_seeds(g["delta"].to_numpy(float)),
+            "mean_topk": float(g["delta_topk"].mean()),
+        })
+    return out
+
+
+def paired_tasks(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
+    """Each configuration's downstream-task accuracy minus its dense run's, over seeds
+    (:func:`over_seeds`), per task evaluated on both (``task_<name>`` columns, from
+    each run's ``eval.json``). Positive: the routed model is better."""
+    tasks = sorted(c[len("delta_"):] for c in comparisons.columns if c.startswith("delta_task_"))
+    out = []
+    keys = list(PAIR_KEYS)
+    for key, g in comparisons.groupby(keys, dropna=False, sort=True):
+        row = dict(zip(keys, key, strict=True))
+        for task in tasks:
+            d = g[f"delta_{task}"].dropna().to_numpy(float)
+            if len(d):
+                out.append({"config": run_label(row), "tier": float(row["tier"]),
+                            "context": int(row["context"]), "width": int(row["width"]),
+                            "task": task[len("task_"):], **over_seeds(d)})
+    return out
+
+
+HEADLINE_FAMILIES = ("xmod", "mod", "moe")
+
+
+def headline(
+    pairs: list[dict[str, Any]], df: pd.DataFrame, fit: LawFit | None = None
+) -> list[dict[str, Any]]:
+    """The sweep's answer in one table: a row per (context, budget, width).
+
+    In each cell, every routed family's *headline configuration* minus its
+    FLOP-matched dense run of the same seed (a :func:`paired` row: mean +- SE
+    over seeds, resolved or not). The headline configuration is the family's
+    one with the most seeds in the cell: a study gives its headline cells the
+    most seeds, and choosing the best mean instead would pick on seed noise.
+    Among configurations with equally many seeds, the one run in the most cells
+    of the sweep (a study runs its headline at every budget, its law cells at
+    some); where that ties too (an ablation, a learning-rate sweep) the family
+    has no headline there: ``{"tied": k, "n": seeds}``. With a law ``fit``, each
+    row also carries what :func:`~xmodlm.law.recommend.recommend` answers at that
+    budget and context for the cell's dense model's active parameters.
+    """
+    rows = []
+    cells = sorted({(p["context"], p["tier"], p["width"]) for p in pairs})
+    spread = Counter(p["config"] for p in pairs)  # cells each configuration ran in
+    for context, tier, width in cells:
+        here = [p for p in pairs if (p["context"], p["tier"], p["width"]) == (context, tier, width)]
+        row: dict[str, Any] = {"context": context, "tier": tier, "width": width, "families": {}}
+        for family in HEADLINE_FAMILIES:
+            mine = [p for p in here if p["family"] == family]
+            most = max(((p["n"], spread[p["config"]]) for p in mine), default=(0, 0))
+            top = [p for p in mine if (p["n"], spread[p["config"]]) == most]
+            if len(top) == 1:
+                row["families"][family] = top[0]
+            elif top:  # no configuration stands out: nothing to headline
+                row["families"][family] = {"tied": len(top), "n": most[0]}
+        if fit is not None:
+            row["law"] = _law_answer(fit, df, context, tier, width)
+        rows.append(row)
+    return rows
+
+
+def _law_answer(fit: LawFit, df: pd.DataFrame, context: int, tier: float, width: int) -> dict[str, Any]:
+    """``recommend`` at one cell's budget, context and dense model size (its answer, and
+    the best sparse candidate's predicted difference to dense with P(beats dense))."""
+    from xmodlm.law.recommend import recommend
+
+    dense = df[record.is_dense(df["family"]) & (df["context"] == context) & (df["tier"] == tier)
+               & (df["width"] == width)]
+    if dense.empty or "params_active" not in dense.columns:
+        return {"answer": None, "why": "no dense run with its active parameters in the cell"}
+    try:
+        rec = recommend(tier, int(context), float(dense["params_active"].median()), law=fit)
+    except UserError as err:
+        return {"answer": None, "why": str(err)}
+    top = min(rec["candidates"], key=lambda e: e["vs_dense"], default=None)
+    return {
+        "answer": rec["answer"], "why": rec["reason"], "identified": rec["law"]["identified"],
+        "top": None if top is None else {
+            "stride": top["stride"], "capacity": top["capacity"], "vs_dense": top["vs_dense"],
+            "p_beats_dense": top["p_beats_dense"], "p_routing_helps": top["p_routing_helps"],
+        },
+    }
+
+
+# Mechanisms an ablation varies, each with its reference level (the X-MoD default):
+# a contrast is (other level) minus (reference), all else equal.
+FACTORS = {
+    "gating": ("variance_scaled", lambda r: str(r["gating"])),
+    "balancing": ("on", lambda r: "on" if float(r["balance_coef"]) > 0 else "off"),
+    "anchors": ("every S-th block", lambda r: "first block only" if _first_anchor_only(r)
+                else "every S-th block"),
+}
+_MATCH = ["tier", "context", "width", "family", "stride", "capacity", "lr", "seed"]
+
+
+def mechanism_effects(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
+    """What each mechanism the sweep varies does, all else equal: a factorial
+    ablation's main effects, and the same effects within each level of every
+    other factor, paired by seed.
+
+    For a factor (:data:`FACTORS`) with a level other than its reference, each
+    routed run at that level is matched with the run at the reference level that
+    differs in that factor only (same other mechanisms, budget, context, width,
+    stride, capacity, learning rate and seed); the contrast is the difference of
+    their differences to dense, i.e. of their losses. Contrasts are averaged over
+    the matched cells within each seed first, then summarised as mean +- standard
+    error over seeds with a t-interval: seeds are the independent draws (cells of
+    one seed share its data order and its dense run). Negative: the level is
+    better than the reference.
+
+    The main effect (``within`` None) averages over the other factors' levels,
+    which hides interactions: a gate that diverges only without anchors shows
+    up as a large, noisy main effect. So each effect is also given within each
+    level of each other factor that has two or more (``within`` = {factor:
+    level}), from the same matched pairs restricted to that level.
+    """
+    routed = comparisons[comparisons["family"] != "moe"]
+    if routed.empty:
+        return []
+    rows = [r for _, r in routed.iterrows()]
+    levels = {name: [get(r) for r in rows] for name, (_, get) in FACTORS.items()}
+    varied = [f for f in FACTORS if len(set(levels[f])) > 1]
+    out = []
+    for name, (ref_level, _) in FACTORS.items():
+        present = sorted(set(levels[name]) - {ref_level})
+        if ref_level not in levels[name] or not present:
+            continue
+        others = [f for f in FACTORS if f != name]
+
+        def key(i: int, others: list[str] = others) -> tuple[Any, ...]:
+            r = rows[i]
+            return (*(None if pd.isna(r[k]) else r[k] for k in _MATCH),
+                    *(levels[f][i] for f in others))
+
+        ref = {key(i): rows[i]["delta"] for i in range(len(rows)) if levels[name][i] == ref_level}
+        subsets: list[dict[str, str] | None] = [None] + [
+            {f: v} for f in others if f in varied for v in sorted(set(levels[f]))
+        ]
+        for level in present:
+            for within in subsets:
+                by_seed: dict[Any, list[float]] = {}
+                for i in range(len(rows)):
+                    if levels[name][i] != level or key(i) not in ref:
+                        continue
+                    if within and any(levels[f][i] != v for f, v in within.items()):
+                        continue
+                    by_seed.setdefault(rows[i]["seed"], []).append(
+                        rows[i]["delta"] - ref[key(i)])
+                if not by_seed:
+                    continue
+                stats = over_seeds(np.array([np.mean(v) for v in by_seed.values()]))
+                out.append({
+                    "factor": name, "level": level, "reference": ref_level, "within": within,
+                    "pairs": int(sum(len(v) for v in by_seed.values())), "seeds": stats["n"],
+                    **stats,
+                })
+    return out
+
+
+def _first_anchor_only(row: dict[str, Any]) -> bool:
+    """:func:`xmodlm.record.first_anchor_only` of a table row (layout may be missing)."""
+    return record.first_anchor_only(str(row.get("layout") or ""), int(row["stride"]))
+
+
+def learning_rates(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Per model (configuration, budget, context, width) tried at two or more peak
+    learning rates: mean loss +- SE at each over seeds, and the best.
+
+    The best is judged on the seeds every rate has (``common_seeds``), since seed
+    noise at these scales is as large as a learning rate's effect: a check run on
+    seed 0 beside a three-seed mean would otherwise be compared with two other
+    seeds' luck. Only without a shared seed are the all-seed means compared.
+    Empty unless the sweep varies lr."""
+    if df["lr"].nunique() < 2:
+        return []
+    out = []
+    keys = ["tier", "context", "width", *CONFIG_KEYS, "n_layers"]
+    keys = [k for k in keys if k in df.columns]
+    for key, g in df.groupby(keys, dropna=False, sort=True):
+        if g["lr"].nunique() < 2:
+            continue
+        row = dict(zip(keys, key, strict=True))
+        common = set.intersection(*(set(h["seed"]) for _, h in g.groupby("lr")))
+        by_lr = []
+        for lr, h in g.groupby("lr"):
+            x = h["loss"].to_numpy(float)
+            se = float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else None
+            shared = h.loc[h["seed"].isin(common), "loss"].to_numpy(float)
+            by_lr.append({"lr": float(lr), "n": len(x), "mean": float(x.mean()), "se": se,
+                          "mean_common": float(shared.mean()) if len(shared) else None})
+        judged = "mean_common" if common else "mean"
+        best = min(by_lr, key=lambda e: e[judged])
+        label = record.DENSE if record.is_dense(row["family"]) else config_label(
+            tuple(row[k] for k in CONFIG_KEYS))
+        out.append({"model": f"{label} L={int(row.get('n_layers', 0))}", "tier": float(row["tier"]),
+                    "context": int(row["context"]), "width": int(row["width"]),
+                    "by_lr": by_lr, "best_lr": best["lr"],
+                    "common_seeds": sorted(int(s) for s in common),
+                    "best_at_edge": best["lr"] in (by_lr[0]["lr"], by_lr[-1]["lr"])})
+    return out
+
+
+def _dense_shapes(dense: pd.DataFrame) -> list[dict[str, Any]]:
+    """The dense shapes (width, depth, peak learning rate) among ``dense`` rows of
+    one budget, each with its loss over seeds and ``_by_seed`` (mean loss per seed,
+    a Series), which callers use for paired differences and drop before output."""
+    shapes = []
+    for (width, depth, lr), h in dense.groupby(["width", "n_layers", "lr"], dropna=False):
+        shapes.append({
+            "width": int(width), "n_layers": None if pd.isna(depth) else int(depth),
+            "lr": None if pd.isna(lr) else float(lr),
+            "params_active": float(h["params_active"].iloc[0])
+            if "params_active" in h and pd.notna(h["params_active"].iloc[0]) else None,
+            "seeds": sorted(int(x) for x in h["seed"]),
+            **over_seeds(h["loss"].to_numpy(float)),
+            "_by_seed": h.groupby("seed")["loss"].mean(),
+        })
+    return shapes
+
+
+def _best_shape(shapes: list[dict[str, Any]]) -> tuple[dict[str, Any], set[Any]]:
+    """The best of :func:`_dense_shapes` and the seeds every shape has. The best is
+    judged on those shared seeds where there are any, so that seed luck does not
+    pick the winner; with none shared, on each shape's own mean."""
+    common = set.intersection(*(set(e["_by_seed"].index) for e in shapes))
+    if common:
+        return min(shapes, key=lambda e: float(e["_by_seed"][sorted(common)].mean())), common
+    return min(shapes, key=lambda e: e["mean"]), common
+
+
+def _paired_minus(a: pd.Series, b: pd.Series) -> dict[str, Any] | None:
+    """:func:`over_seeds` of ``a - b`` on the seeds both have (None if none)."""
+    seeds = sorted(set(a.index) & set(b.index))
+    return over_seeds((a[seeds] - b[seeds]).to_numpy(float)) if seeds else None
+
+
+def dense_ladder(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """The dense shapes tried on one budget: per (context, tier), each dense shape
+    (width, depth, peak learning rate) with its mean loss +- SE over seeds, the best
+    one, and the others' paired difference to it.
+
+    As with learning rates, the best is judged on the seeds every shape has, and the
+    differences are paired by seed (the same data order), so that seed luck does not
+    pick the winner. ``at_edge``: the best shape is the smallest or the largest
+    (active parameters) tried, so the compute-optimal dense size is not bracketed.
+    ``widths``/``best_width`` keep the width view of the same answer."""
+    out = []
+    dense = df[record.is_dense(df["family"])]
+    if "n_layers" not in dense.columns:
+        dense = dense.assign(n_layers=np.nan)
+    for (context, tier), group in dense.groupby(["context", "tier"]):
+        shapes = _dense_shapes(group)
+        best, common = _best_shape(shapes)
+        for e in shapes:
+            if e is not best:
+                e["minus_best"] = _paired_minus(e["_by_seed"], best["_by_seed"])
+            e["mean_common"] = (float(e["_by_seed"][sorted(common)].mean()) if common
+                                else None)
+        size = [e["params_active"] if e["params_active"] is not None
+                else e["width"] ** 2 * (e["n_layers"] or 1) for e in shapes]
+        edge = len(set(size)) > 1 and size[shapes.index(best)] in (min(size), max(size))
+        for e in shapes:
+            del e["_by_seed"]
+        out.append({
+            "context": int(context), "tier": float(tier),
+            "widths": sorted(int(w) for w in group["width"].unique()),
+            "best_width": best["width"], "best_n_layers": best["n_layers"],
+            "best_loss": best["mean"], "common_seeds": sorted(int(x) for x in common),
+            "shapes": shapes, "at_edge": bool(edge),
+        })
+    return out
+
+
+def equal_size(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Each routed configuration against dense of its own active size, on its budget.
+
+    FLOP matching hands a routed model more or fewer active parameters than its
+    dense partner (routed attention over c*T tokens is cheap, so at long contexts
+    more blocks fit the budget), and on a short budget size alone moves the loss.
+    Where the budget has dense runs at several sizes (a depth or width ladder of
+    the same context, budget and peak learning rate), each seed's dense loss is
+    interpolated linearly in ln N_active between the two dense shapes that bracket
+    the routed model's N_active, and the routed loss minus it is paired over the
+    seeds all three have. Nothing is extrapolated: a model outside the dense sizes
+    tried gets the range instead. ``minus_best_dense``: the paired difference to
+    the budget's best dense shape (:func:`_best_shape`), whatever its size."""
+    if "params_active" not in df.columns:
+        return []
+    df = df.assign(params_active=pd.to_numeric(df["params_active"], errors="coerce"))
+    if "n_layers" not in df.columns:
+        df = df.assign(n_layers=np.nan)
+    dense_all = df[record.is_dense(df["family"]) & np.isfinite(df["params_active"])]
+    routed = df[~record.is_dense(df["family"]) & np.isfinite(df["params_active"])]
+    out = []
+    for key, runs in routed.groupby(list(PAIR_KEYS), dropna=False):
+        row = dict(zip(PAIR_KEYS, key, strict=True))
+        budget = dense_all[(dense_all["context"] == row["context"])
+                           & (dense_all["tier"] == row["tier"])]
+        if budget.empty:
+            continue
+        # the pairing rule's learning rate: the routed run's own where dense has it
+        same_lr = budget[budget["lr"] == row["lr"]]
+        shapes = _dense_shapes(same_lr if not same_lr.empty else budget)
+        sizes = sorted({e["params_active"] for e in shapes})
+        if len(sizes) < 2:
+            continue
+        best, _ = _best_shape(_dense_shapes(budget))
+        n = float(runs["params_active"].iloc[0])
+        by_seed = runs.groupby("seed")["loss"].mean()
+        entry: dict[str, Any] = {
+            "config": config_label(tuple(row[k] for k in CONFIG_KEYS)),
+            "tier": float(row["tier"]), "context": int(row["context"]),
+            "width": int(row["width"]), "lr": None if pd.isna(row["lr"]) else float(row["lr"]),
+            "n_layers": int(runs["n_layers"].iloc[0]) if pd.notna(runs["n_layers"].iloc[0]) else None,
+            "params_active": n, "dense_sizes": [sizes[0], sizes[-1]],
+            "minus_best_dense": _paired_minus(by_seed, best["_by_seed"]),
+            "best_dense": {"width": best["width"], "n_layers": best["n_layers"],
+                           "params_active": best["params_active"]},
+            "minus_dense_at_size": None,
+        }
+        if sizes[0] <= n <= sizes[-1]:
+            # of several shapes at one size, the better one stands for it
+            lo = min((e for e in shapes if e["params_active"] <= n),
+                     key=lambda e: (-e["params_active"], e["mean"]))
+            hi = min((e for e in shapes if e["params_active"] >= n),
+                     key=lambda e: (e["params_active"], e["mean"]))
+            w = (float(np.log(n / lo["params_active"]) / np.log(hi["params_active"] / lo["params_active"]))
+                 if hi["params_active"] > lo["params_active"] else 0.0)
+            interpolated = (1 - w) * lo["_by_seed"] + w * hi["_by_seed"]  # NaN where a seed lacks
+            entry["bracket"] = [
+                {"width": e["width"], "n_layers": e["n_layers"], "params_active": e["params_active"]}
+                for e in (lo, hi)
+            ]
+            entry["weight"] = w
+            entry["minus_dense_at_size"] = _paired_minus(by_seed, interpolated.dropna())
+        out.append(entry)
+    return out
+
+
+
+def against_dense(comparisons: pd.DataFrame) -> dict[str, Any]:
+    """The routed runs against their FLOP-matched dense runs (:func:`match_to_dense`):
+    a summary per family, per budget and per configuration, the paired differences
+    over seeds, the pairs that mix machines, the mechanisms' effects and the
+    downstream tasks. Nothing when no run was matched."""
+    if comparisons.empty:
+        return {}
+    mixed = comparisons[comparisons["mixed"] != ""]
+    return {
+        "vs_dense": {fam: _summary(g["delta"]) for fam, g in comparisons.groupby("family")},
+        "vs_dense_by_tier": {
+            f"{tier:g}": _summary(g["delta"]) for tier, g in comparisons.groupby("tier")
+        },
+        "vs_dense_by_config": {
+            config_label(key): _summary(g["delta"])
+            for key, g in comparisons.groupby(list(CONFIG_KEYS), dropna=False)
+        },
+        "paired": paired(comparisons),
+        "mixed_pairs": [
+            {"run_id": r.run_id, "dense_run_id": r.dense_run_id, "mixed": r.mixed}
+            for r in mixed.itertuples()
+        ],
+        "mechanisms": mechanism_effects(comparisons),
+        "tasks": paired_tasks(comparisons),
+    }
+
+
+def causal_gap(df: pd.DataFrame) -> dict[str, Any] | None:
+    """Causal minus top-k validation loss of the routed runs (median and range): what
+    decoding, which cannot see the future, pays against the training-time routing.
+    None where the table records no causal loss."""
+    if "val_loss_causal" not in df.columns:
+        return None
+    routed = df[(df["stride"] > 1) & (df["capacity"] < 1)]
+    gap = pd.to_numeric(routed["val_loss_causal"], errors="coerce") - routed["val_loss"]
+    gap = gap[np.isfinite(gap)]
+    if not len(gap):
+        return None
+    return {
+        "n": len(gap),
+        "median": float(gap.median()),
+        "min": float(gap.min()),
+        "max": float(gap.max()),
+    }
