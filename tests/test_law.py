@@ -17,7 +17,9 @@ import pytest
 from xmodlm import flops
 from xmodlm.errors import UserError
 from xmodlm.law import delta, dense, holdout
-from xmodlm.law.fit import LawFit, fit_law, load_fit, one_se_choice, predict
+from xmodlm.law.fit import fit_law, one_se_choice
+from xmodlm.law.lawfit import LawFit, load_fit
+from xmodlm.law.predict import predict
 from xmodlm.law.recommend import dense_config, recommend
 from xmodlm.law.synthetic import TRUE_DELTA, TRUE_DENSE, synthetic_runs
 from xmodlm.law.table import read_table, validate
@@ -417,7 +419,7 @@ def test_plot_law_writes_pngs(mixed_fit: LawFit, mixed_runs: pd.DataFrame, tmp_p
     """Four PNGs, and the figures show the fit's numbers: the predicted-vs-observed
     panel holds every fitted run at (observed, law's prediction) and every held-out
     run at its refit prediction; the delta panel's points are ln L - ln L_dense law."""
-    from xmodlm.law.fit import predict_samples
+    from xmodlm.law.predict import predict_samples
     from xmodlm.report import law_plots
 
     paths = plot_law(mixed_fit, mixed_runs, tmp_path)

@@ -19,7 +19,8 @@ import pytest
 from xmodlm.cli import main
 from xmodlm.errors import UserError
 from xmodlm.law import holdout
-from xmodlm.law.fit import LawFit, fit_law, load_fit
+from xmodlm.law.fit import fit_law
+from xmodlm.law.lawfit import LawFit, load_fit
 from xmodlm.law.recommend import recommend
 from xmodlm.law.robust import resample_weights
 
@@ -103,7 +104,7 @@ def test_held_out_error_is_honest_for_a_law_outside_the_registry(fit: LawFit) ->
     assert held["rmse"] >= 0.95 * held["in_fit_rmse"]
     fresh = make_table(seeds=(7,), rng_seed=99)
     sparse = fresh[fresh["stride"] > 1]
-    from xmodlm.law.fit import predict
+    from xmodlm.law.predict import predict
 
     pred = predict(fit, sparse[["params_active", "tokens", "context", "stride", "capacity"]])
     err = np.log(pred["pred_loss"].to_numpy()) - np.log(sparse["val_loss_causal"].to_numpy())

@@ -14,7 +14,9 @@ import pytest
 
 from xmodlm.cli import main
 from xmodlm.errors import UserError
-from xmodlm.law.fit import LawFit, fit_law, predict
+from xmodlm.law.fit import fit_law
+from xmodlm.law.lawfit import LawFit
+from xmodlm.law.predict import predict
 from xmodlm.law.recommend import recommend
 from xmodlm.pairing import NO_PARTNER, dense_partners
 

@@ -509,7 +509,8 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
 
 
 def cmd_law_predict(args: argparse.Namespace) -> int:
-    from xmodlm.law.fit import load_fit, predict, predicts_losses
+    from xmodlm.law.lawfit import load_fit
+    from xmodlm.law.predict import predict, predicts_losses
     from xmodlm.law.table import read_table
 
     fit = load_fit(args.fit)
@@ -528,7 +529,7 @@ def cmd_law_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_recommend(args: argparse.Namespace) -> int:
-    from xmodlm.law.fit import load_fit
+    from xmodlm.law.lawfit import load_fit
     from xmodlm.law.recommend import recommend
 
     result = recommend(

@@ -7,7 +7,10 @@ Modules, each usable on its own:
 * :mod:`~xmodlm.law.dense`: the dense law L(N, D) and its careful fit;
 * :mod:`~xmodlm.law.delta`: the registry of delta forms and their fit;
 * :mod:`~xmodlm.law.holdout`: held-out protocols and metrics;
-* :mod:`~xmodlm.law.fit`: ``fit_law``, ``LawFit`` (JSON), ``predict``;
+* :mod:`~xmodlm.law.fit`: ``fit_law`` (fitting, form selection, the bootstrap);
+* :mod:`~xmodlm.law.lawfit`: ``LawFit``, a fitted law (JSON, ``load_fit``, its
+  identification flags);
+* :mod:`~xmodlm.law.predict`: ``predict``, ``predict_samples`` with a fitted law;
 * :mod:`~xmodlm.law.recommend`: ``recommend`` (imports the model's FLOP accounting);
 * :mod:`~xmodlm.law.synthetic`: tables from a known law; ``bench_fit`` in
   :mod:`~xmodlm.law.bench`.

@@ -1,4 +1,4 @@
-"""Fit the whole law, choose the delta form, save it as JSON, predict with it.
+"""Fit the whole law and choose the delta form.
 
 ``fit_law``: validate the runs (the causal-routing loss by default; runs
 shorter than ``min_steps`` optimiser steps left out and counted); keep the
@@ -30,11 +30,7 @@ gives no sparse answer from a flagged law.
 
 from __future__ import annotations
 
-import json
-import math
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,7 +41,6 @@ from xmodlm.law import dense
 from xmodlm.law.delta import (
     FORMS,
     REFERENCE,
-    TERMS,
     Features,
     Form,
     bootstrap_delta,
@@ -61,248 +56,27 @@ from xmodlm.law.holdout import (
     evaluate,
     folds,
 )
-from xmodlm.law.robust import HUBER_DELTA, interval, resample_weights
+from xmodlm.law.lawfit import DeltaLaw, DenseLaw, LawFit, identification
+
+# a saved law (lawfit.py) and prediction with it (predict.py) have their own modules;
+# their public names stay importable from here, as scripts of results/ import them
+from xmodlm.law.lawfit import load_fit as load_fit
+from xmodlm.law.predict import Prediction as Prediction
+from xmodlm.law.predict import log_inputs
+from xmodlm.law.predict import predict as predict
+from xmodlm.law.predict import predict_samples as predict_samples
+from xmodlm.law.predict import predicts_losses as predicts_losses
+from xmodlm.law.robust import HUBER_DELTA, resample_weights
 from xmodlm.law.table import DEFAULT_MIN_STEPS, UNRECORDED_CONTEXT, validate
 from xmodlm.pairing import NO_PARTNER, dense_partners
 from xmodlm.progress import Progress
 
-SCHEMA = "xmodlm.law/1"
 MIN_BOOT = 100  # below this the 2.5/97.5 percentiles rest on two or three draws
 DEFAULT_FAMILY = "xmod"
 BASELINES = ("law", "paired")  # what a sparse run's delta is measured against
 BOOT_STEPS = 20  # bootstrap progress is reported in up to this many blocks of replicates
 BOOT_BLOCK_MIN = 50  # replicates per block at least (each block starts its worker processes)
 
-
-def _param_table(
-    names: tuple[str, ...], value: np.ndarray, samples: np.ndarray, fixed: tuple[str, ...] = ()
-) -> dict[str, dict[str, Any]]:
-    """``{name: {"value": v, "ci": [lo, hi]}}``, 95% bootstrap percentile intervals."""
-    ci = interval(samples, value)
-    out = {}
-    for name, v, (lo, hi) in zip(names, value, ci, strict=True):
-        out[name] = {"value": float(v), "ci": [float(lo), float(hi)]}
-        if name in fixed:
-            out[name]["fixed"] = True
-    return out
-
-
-@dataclass
-class DenseLaw:
-    """The dense law at one context: (E, A, B, alpha, beta) and bootstrap samples."""
-
-    context: int
-    value: np.ndarray
-    samples: np.ndarray  # (n_boot, 5)
-    n_runs: int
-    diagnostics: dict[str, Any]
-
-    def to_json(self, samples: bool = True) -> dict[str, Any]:
-        return {
-            "context": self.context,
-            "n_runs": self.n_runs,
-            "params": _param_table(dense.NAMES, self.value, self.samples),
-            "optimizer": self.diagnostics,
-            **({"samples": self.samples.tolist()} if samples else {}),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> DenseLaw:
-        value = np.array([data["params"][n]["value"] for n in dense.NAMES], dtype=float)
-        samples = np.array(data["samples"], dtype=float).reshape(-1, dense.N_PARAMS)
-        return cls(int(data["context"]), value, samples, int(data["n_runs"]), data["optimizer"])
-
-
-@dataclass
-class DeltaLaw:
-    """One fitted delta form: parameters in the form's order and bootstrap samples."""
-
-    form: str
-    value: np.ndarray
-    fixed: tuple[str, ...]  # held at their neutral value: the data cannot identify them
-    samples: np.ndarray  # (n_boot, p)
-    n_runs: int
-    diagnostics: dict[str, Any]
-
-    @property
-    def spec(self) -> Form:
-        return FORMS[self.form]
-
-    def to_json(self, samples: bool = True) -> dict[str, Any]:
-        return {
-            "form": self.form,
-            "summary": self.spec.summary,
-            "n_runs": self.n_runs,
-            "params": _param_table(self.spec.names, self.value, self.samples, self.fixed),
-            "optimizer": self.diagnostics,
-            **({"samples": self.samples.tolist()} if samples else {}),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> DeltaLaw:
-        names = get_form(data["form"]).names
-        params = data["params"]
-        return cls(
-            form=data["form"],
-            value=np.array([params[n]["value"] for n in names], dtype=float),
-            fixed=tuple(n for n in names if params[n].get("fixed")),
-            samples=np.array(data["samples"], dtype=float).reshape(-1, len(names)),
-            n_runs=int(data["n_runs"]),
-            diagnostics=data["optimizer"],
-        )
-
-
-@dataclass
-class LawFit:
-    """A fitted law: what ``xmod law fit --json`` writes and predict/recommend read."""
-
-    dense: dict[int, DenseLaw]
-    deltas: dict[str, DeltaLaw]
-    selected: str | None
-    selection: dict[str, Any] | None
-    skipped: dict[str, str]
-    ranges: dict[str, Any]
-    metrics: dict[str, Any]
-    heldout_points: dict[str, Any] | None
-    runs: dict[str, Any]
-    settings: dict[str, Any]
-    notes: list[str] = field(default_factory=list)
-    fit_seconds: float = 0.0
-    identification: dict[str, Any] = field(default_factory=lambda: {"ok": True, "flags": []})
-
-    @property
-    def loss(self) -> str:
-        """The validation loss the law was fitted on (``causal`` or ``topk``)."""
-        return str(self.settings.get("loss", "topk"))
-
-    @property
-    def delta(self) -> DeltaLaw | None:
-        """The selected delta form (None for a law fitted on dense runs only)."""
-        return self.deltas[self.selected] if self.selected else None
-
-    @property
-    def reference(self) -> dict[str, float]:
-        return self.settings["reference"]
-
-    @property
-    def baseline(self) -> str:
-        """What the delta is measured against: ``law`` (the dense law at the run's own
-        N_ae and D) or ``paired`` (the run's FLOP-matched dense partner)."""
-        return str(self.settings.get("baseline", "law"))
-
-    def blocking_flags(self) -> list[dict[str, str]]:
-        """The identification flags that forbid a sparse recommendation.
-
-        Under the dense-law baseline every flag does: P(beats dense) is computed
-        through the dense law. Under the paired baseline it is P(delta < 0), which
-        the dense law does not enter, so only the delta law's flags do (the dense
-        law's still make the absolute losses unreliable, and are warned about).
-        """
-        if self.baseline == "paired":
-            return self.delta_flags()
-        return list(self.identification.get("flags", []))
-
-    def delta_flags(self) -> list[dict[str, str]]:
-        """The identification flags of the selected delta law (none of its intervals
-        then means anything)."""
-        return [f for f in self.identification.get("flags", []) if f["law"].startswith("delta")]
-
-    def to_json(self, samples: bool = True) -> dict[str, Any]:
-        """The whole fit; ``samples=False`` leaves out the bootstrap draws (a summary:
-        what ``law fit --json`` prints; a saved fit keeps them for predict)."""
-        return {
-            "schema": SCHEMA,
-            "runs": self.runs,
-            "notes": self.notes,
-            "settings": self.settings,
-            "identification": self.identification,
-            "dense": [self.dense[t].to_json(samples) for t in sorted(self.dense)],
-            "delta": None
-            if not self.deltas
-            else {
-                "selected": self.selected,
-                "selection": self.selection,
-                "skipped": self.skipped,
-                "forms": {name: law.to_json(samples) for name, law in self.deltas.items()},
-            },
-            "ranges": self.ranges,
-            "metrics": self.metrics,
-            "heldout_points": self.heldout_points,
-            "fit_seconds": self.fit_seconds,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> LawFit:
-        """Rebuild a fit from :meth:`to_json` output; UserError if it is not one."""
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            raise UserError(
-                f"not a law fit: expected JSON with schema {SCHEMA!r} (from `xmod law fit --out`)"
-            )
-        if any("samples" not in d for d in data.get("dense") or []):
-            raise UserError(
-                "law fit JSON has no bootstrap samples (a `--json` summary): use the file"
-                " written by `xmod law fit --out`, or print with --samples"
-            )
-        try:
-            laws = [DenseLaw.from_json(d) for d in data["dense"]]
-            delta = data["delta"] or {
-                "selected": None,
-                "selection": None,
-                "skipped": {},
-                "forms": {},
-            }
-            return cls(
-                dense={law.context: law for law in laws},
-                deltas={n: DeltaLaw.from_json(d) for n, d in delta["forms"].items()},
-                selected=delta["selected"],
-                selection=delta["selection"],
-                skipped=delta["skipped"],
-                ranges=data["ranges"],
-                metrics=data["metrics"],
-                heldout_points=data["heldout_points"],
-                runs=data["runs"],
-                settings=data["settings"],
-                notes=data["notes"],
-                fit_seconds=data["fit_seconds"],
-                identification=data.get("identification", {"ok": True, "flags": []}),
-            )
-        except (KeyError, TypeError, ValueError) as err:
-            raise UserError(
-                f"law fit JSON is incomplete or corrupt ({type(err).__name__}: {err})"
-            ) from None
-
-
-def load_fit(path: str | Path) -> LawFit:
-    """Read a law fit written by ``xmod law fit --json``."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"law fit {str(path)!r} not found")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(f"law fit {str(path)!r} is not valid JSON") from None
-    fit = LawFit.from_json(data)
-    _check_finite_params(fit, path)
-    return fit
-
-
-def _check_finite_params(fit: LawFit, path: Path) -> None:
-    """Every fitted parameter is a finite number. JSON admits NaN and Infinity, and
-    one such parameter (a hand edit, a broken writer) would make every prediction
-    NaN while the command still succeeds."""
-    laws = [(f"dense law (context {t})", law.value, dense.NAMES) for t, law in fit.dense.items()]
-    laws += [(f"delta form {n}", d.value, d.spec.names) for n, d in fit.deltas.items()]
-    for what, value, names in laws:
-        bad = np.flatnonzero(~np.isfinite(value))
-        if bad.size:
-            raise UserError(
-                f"law fit {str(path)!r}: {what} parameter {names[bad[0]]} is {value[bad[0]]},"
-                " not a finite number: refit with `xmod law fit --out`"
-            )
-
-
-def _logs(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    return np.log(frame["params_active"].to_numpy(float)), np.log(frame["tokens"].to_numpy(float))
 
 
 def _span(values: pd.Series) -> list[float] | None:
@@ -339,6 +113,11 @@ def fit_law(
     see :func:`paired_baseline`). ``lr``: the peak learning rate whose runs are
     fitted (None: the table's most common one; runs at others are left out and
     counted, since a law pools one training recipe).
+
+    Long on purpose: it is the pipeline in the order the module docstring gives
+    (select runs, dense laws, delta forms, paired replicates, held-out selection,
+    the record), and each step hands several arrays to the next; cut into pieces,
+    they would pass a dozen values back and forth.
     """
     started = time.perf_counter()
     if n_boot < MIN_BOOT:
@@ -644,86 +423,12 @@ def _keep_replicates(
     return int((~keep).sum())
 
 
-DECADE = 10.0
-MIN_SPARE_CONFIGS = 2  # sparse configurations beyond the delta law's free parameters
-# A and B absorb the exponents' uncertainty (ln A moves by ln N x d alpha, and ln N
-# is ~10-20), so a decade in A is only ~0.15 in alpha: well-posed ladders of 80 runs
-# give A and B intervals of 10-20x. They are flagged past three decades.
-PREFACTOR_SPAN = 1e3
-
-
-def identification(
-    dense_fits: dict[int, dense.DenseFit],
-    dense_laws: dict[int, DenseLaw],
-    deltas: dict[str, DeltaLaw],
-    selected: str | None,
-    n_configs: int | None = None,
-) -> dict[str, Any]:
-    """Flags for parameters the runs do not pin down, and fits that did not converge.
-
-    A parameter is flagged when its full-data optimum sits on a bound of its box
-    (the data push it outside the family the law allows), or when it is positive
-    by construction and its 95% interval spans more than a decade (hi / lo > 10;
-    three decades for the prefactors A and B, see ``PREFACTOR_SPAN``).
-    Signed delta parameters are judged by their intervals in the report instead
-    (resolved or not), since an effect near zero is a finding, not a failure;
-    but a delta law with fewer than ``MIN_SPARE_CONFIGS`` more sparse
-    configurations (``n_configs``; seeds of one are one) than free parameters
-    is flagged whole: the bootstrap draws configurations, and from so few it
-    returns intervals as narrow as they are meaningless.
-    """
-    flags: list[dict[str, str]] = []
-    for t, fit in dense_fits.items():
-        name = f"dense (context {t})" if t != UNRECORDED_CONTEXT else "dense"
-        law = dense_laws[t]
-        if not fit.optimum.converged:
-            flags.append({"law": name, "param": "-", "problem": "full-data fit did not converge"})
-        theta = fit.optimum.x
-        theta_names = ("A", "B", "E", "alpha", "beta")  # the log-space order of dense.BOUNDS
-        for pname, x, (lo, hi) in zip(theta_names, theta, dense.BOUNDS, strict=True):
-            if _at_bound(x, lo, hi):
-                side = "lower" if x - lo < hi - x else "upper"
-                flags.append({"law": name, "param": pname, "problem": f"at its {side} bound"})
-        ci = interval(law.samples, law.value)
-        for pname, (lo, hi) in zip(dense.NAMES, ci, strict=True):
-            span = PREFACTOR_SPAN if pname in ("A", "B") else DECADE
-            if lo > 0 and hi / lo > span:
-                flags.append({"law": name, "param": pname,
-                              "problem": f"95% interval spans more than {math.log10(span):.0f}"
-                              f" decade(s) ({lo:.3g} to {hi:.3g})"})
-    for form_name, law in deltas.items():
-        if form_name != selected:
-            continue
-        name = f"delta ({form_name})"
-        free = len(law.spec.params) - len(law.fixed)
-        if n_configs is not None and n_configs < free + MIN_SPARE_CONFIGS:
-            flags.append({"law": name, "param": "-", "problem":
-                          f"{n_configs} sparse configurations for {free} free parameters (needs"
-                          f" {free + MIN_SPARE_CONFIGS}): its intervals mean nothing"})
-        if not law.diagnostics.get("converged", True):
-            flags.append({"law": name, "param": "-", "problem": "full-data fit did not converge"})
-        ci = interval(law.samples, law.value)
-        for p, x, (lo_ci, hi_ci) in zip(law.spec.params, law.value, ci, strict=True):
-            if p.name in law.fixed:
-                continue
-            if _at_bound(x, *p.bounds):
-                flags.append({"law": name, "param": p.name, "problem": "at a bound of its box"})
-            elif p.bounds[0] > 0 and lo_ci > 0 and hi_ci / lo_ci > DECADE:
-                flags.append({"law": name, "param": p.name,
-                              "problem": f"95% interval spans more than a decade ({lo_ci:.3g} to {hi_ci:.3g})"})
-    return {"ok": not flags, "flags": flags}
-
-
-def _at_bound(x: float, lo: float, hi: float) -> bool:
-    return min(x - lo, hi - x) <= 1e-6 * (hi - lo)
-
-
 def _fit_dense_laws(
     frame: pd.DataFrame, n_boot: int, rng: np.random.Generator
 ) -> tuple[dict[int, dense.DenseFit], dict[int, DenseLaw], np.ndarray]:
     """Dense law and bootstrap per context, from the dense runs of that context; and
     which replicates converged in every context."""
-    ln_n, ln_d = _logs(frame)
+    ln_n, ln_d = log_inputs(frame)
     ln_l = np.log(frame["val_loss"].to_numpy(float))
     context, sparse = frame["context"].to_numpy(), frame["is_sparse"].to_numpy()
     configs = frame["config"].to_numpy()
@@ -767,7 +472,7 @@ def _fit_deltas(
     then draw configurations and dense partners both."""
     sparse = frame["is_sparse"].to_numpy()
     runs = frame[sparse]
-    ln_n, ln_d = _logs(runs)
+    ln_n, ln_d = log_inputs(runs)
     context = runs["context"].to_numpy()
     ln_l = np.log(runs["val_loss"].to_numpy(float))
     if ln_paired is None:
@@ -908,7 +613,7 @@ def _in_fit(
     """Point predictions of ln L for the fitted runs (sparse runs from their dense
     partner's observed loss under the paired baseline; NaN for dense runs when the
     law has no dense law)."""
-    ln_n, ln_d = _logs(frame)
+    ln_n, ln_d = log_inputs(frame)
     values = {t: d.value for t, d in dense_laws.items()}
     out = np.full(len(frame), np.nan)
     if values:
@@ -928,120 +633,3 @@ def _points(held: HeldOut, ln_obs: np.ndarray) -> dict[str, Any]:
         "observed": np.exp(ln_obs[held.rows]).tolist(),
         "predicted": np.exp(held.ln_pred).tolist(),
     }
-
-
-# --- prediction -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """ln L for each row: point estimate, bootstrap draws, and its parts."""
-
-    law_context: np.ndarray  # the fitted context whose dense law each row used
-    ln_dense: np.ndarray  # (n,)
-    terms: dict[str, np.ndarray]  # the delta's named terms, each (n,); zero for dense rows
-    ln_point: np.ndarray  # (n,)
-    ln_samples: np.ndarray  # (n_boot, n)
-    ln_dense_samples: np.ndarray  # (n_boot, n): the same draws without the delta
-    in_range: np.ndarray  # every input inside the fitted ranges
-
-
-def _law_contexts(fit: LawFit, context: np.ndarray) -> np.ndarray:
-    """The fitted context used for each row: its own, else the nearest in ln T."""
-    fitted = np.array(sorted(fit.dense))
-    if len(fitted) == 1:
-        return np.full(len(context), fitted[0])
-    if (context == UNRECORDED_CONTEXT).any():
-        raise UserError(
-            f"rows need a context column: the law has dense fits at contexts {fitted.tolist()}"
-        )
-    nearest = np.abs(np.log(context)[:, None] - np.log(fitted)[None, :]).argmin(axis=1)
-    return fitted[nearest]
-
-
-def _inside(values: np.ndarray, span: list[float] | None) -> np.ndarray:
-    if span is None:
-        return np.zeros(len(values), dtype=bool)
-    return (values >= span[0]) & (values <= span[1])
-
-
-def predict_samples(fit: LawFit, frame: pd.DataFrame) -> Prediction:
-    """Predict validated rows (``table.validate(rows, need_loss=False).frame``).
-
-    A paired-baseline law fitted without a dense law (its dense runs were of one
-    size) predicts deltas only: ``ln_dense`` is then 0, so ``ln_point`` is the
-    delta; callers check ``fit.dense`` before calling it a loss.
-    """
-    ln_n, ln_d = _logs(frame)
-    context = frame["context"].to_numpy()
-    if fit.dense:
-        used = _law_contexts(fit, context)
-        ln_dense = dense.log_loss_at({t: d.value for t, d in fit.dense.items()}, used, ln_n, ln_d)
-        ln_dense_samples = dense.log_loss_at(
-            {t: d.samples for t, d in fit.dense.items()}, used, ln_n, ln_d
-        )
-    else:
-        if fit.delta is None:
-            raise UserError("the law has neither a dense law nor a delta law to predict with")
-        used = context
-        ln_dense = np.zeros(len(frame))
-        ln_dense_samples = np.zeros((len(fit.delta.samples), len(frame)))
-    ln_samples = ln_dense_samples.copy()
-    terms = {name: np.zeros(len(frame)) for name in TERMS}
-    sparse = frame["is_sparse"].to_numpy()
-    ranges = fit.ranges
-    in_range = _inside(frame["params_active"].to_numpy(), ranges["params_active"])
-    in_range &= _inside(frame["tokens"].to_numpy(), ranges["tokens"]) & (used == context)
-    if sparse.any():
-        law = fit.delta
-        if law is None:
-            raise UserError(
-                "the law was fitted on dense runs only; it cannot predict X-MoD rows (stride > 1, capacity < 1)"
-            )
-        x = Features.of(frame[sparse], fit.reference)
-        for name, term in law.spec.terms(law.value, x).items():
-            terms[name][sparse] = term
-        ln_samples[:, sparse] += law.spec.predict(law.samples, x)
-        in_range[sparse] &= _inside(frame.loc[sparse, "stride"].to_numpy(), ranges["stride"])
-        in_range[sparse] &= _inside(frame.loc[sparse, "capacity"].to_numpy(), ranges["capacity"])
-    ln_point = ln_dense + sum(terms.values())
-    return Prediction(used, ln_dense, terms, ln_point, ln_samples, ln_dense_samples, in_range)
-
-
-def predicts_losses(fit: LawFit) -> bool:
-    """Whether ``fit`` predicts losses (it has a dense law) or only differences from
-    dense: a paired-baseline law fitted on dense runs of one size measures each
-    routed run against its partner's observed loss, so it knows ln L(routed) -
-    ln L(dense) at a configuration but not L itself."""
-    return bool(fit.dense)
-
-
-def predict(fit: LawFit, rows: pd.DataFrame) -> pd.DataFrame:
-    """One prediction per row: loss with 95% interval, dense loss, delta and its three terms.
-
-    Rows need ``params_active`` and ``tokens``; ``stride``/``capacity`` default to
-    dense and ``context`` to the law's only context. The interval is the 2.5-97.5
-    percentile of the bootstrap draws of the whole law (dense and delta paired).
-    A law without a dense law (:func:`predicts_losses` false) predicts the
-    difference instead: ``delta`` = ln L(routed) - ln L(FLOP-matched dense) with
-    its interval ``delta_lo``/``delta_hi`` (0 on dense rows), and no loss columns.
-    """
-    frame = validate(rows, need_loss=False).frame
-    p = predict_samples(fit, frame)
-    out = frame[["params_active", "tokens", "context", "stride", "capacity", "rho"]].copy()
-    out["law_context"] = p.law_context
-    delta = p.ln_point - p.ln_dense
-    if predicts_losses(fit):
-        ci = interval(np.exp(p.ln_samples), np.exp(p.ln_point))
-        out["pred_loss"] = np.exp(p.ln_point)
-        out["lo"], out["hi"] = ci[:, 0], ci[:, 1]
-        out["dense_loss"] = np.exp(p.ln_dense)
-        out["delta"] = delta
-    else:
-        ci = interval(p.ln_samples - p.ln_dense_samples, delta)
-        out["delta"] = delta
-        out["delta_lo"], out["delta_hi"] = ci[:, 0], ci[:, 1]
-    for name in TERMS:
-        out[f"{name}_term"] = p.terms[name]
-    out["in_range"] = p.in_range
-    return out

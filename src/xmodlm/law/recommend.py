@@ -21,7 +21,7 @@
    for a smaller dense model, not for routing.
 5. No sparse answer comes from a law whose identification is flagged (a
    parameter at a bound, an interval over a decade, a fit that did not
-   converge: :func:`xmodlm.law.fit.identification`); the reason says which.
+   converge: :func:`xmodlm.law.lawfit.identification`); the reason says which.
    A law fitted with the paired baseline (``LawFit.baseline``) measured each
    delta against the run's FLOP-matched dense partner: its delta applies to the
    dense reference's predicted loss, P(beats dense) is P(delta < 0), and only
@@ -50,7 +50,8 @@ import pandas as pd
 from xmodlm import flops
 from xmodlm.config import ModelConfig
 from xmodlm.errors import UserError
-from xmodlm.law.fit import LawFit, load_fit, predict_samples
+from xmodlm.law.lawfit import LawFit, load_fit
+from xmodlm.law.predict import predict_samples
 from xmodlm.law.robust import interval
 from xmodlm.law.table import validate
 

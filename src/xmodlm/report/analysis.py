@@ -23,7 +23,7 @@ from xmodlm.law.table import finished_runs
 from xmodlm.pairing import NO_PARTNER, dense_partners
 
 if TYPE_CHECKING:
-    from xmodlm.law.fit import LawFit
+    from xmodlm.law.lawfit import LawFit
 
 REQUIRED = ("family", "width", "context", "val_loss")
 TIER_GAP = 0.15  # decades between distinct compute budgets

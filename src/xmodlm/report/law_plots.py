@@ -29,7 +29,9 @@ from xmodlm import record
 from xmodlm.fileio import atomic_savefig
 from xmodlm.law import dense
 from xmodlm.law.delta import Features
-from xmodlm.law.fit import LawFit, fitted_runs, paired_baseline, predict_samples
+from xmodlm.law.fit import fitted_runs, paired_baseline
+from xmodlm.law.lawfit import LawFit
+from xmodlm.law.predict import predict_samples
 from xmodlm.law.robust import interval
 
 _MARKERS = "osD^v<>ph*"

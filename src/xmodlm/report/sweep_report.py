@@ -73,7 +73,7 @@ from xmodlm.report.isoflop import isoflop
 from xmodlm.report.render import render_markdown
 
 if TYPE_CHECKING:
-    from xmodlm.law.fit import LawFit
+    from xmodlm.law.lawfit import LawFit
 
 
 def _law_section(fit: LawFit, fit_path: str | Path) -> dict[str, Any]:
@@ -286,7 +286,7 @@ def sweep_report(
     bar.update(1, done="training dynamics read from the run records")
     fit = None
     if law is not None:
-        from xmodlm.law.fit import load_fit
+        from xmodlm.law.lawfit import load_fit
         from xmodlm.report.law_plots import plot_law
 
         fit = load_fit(law)
