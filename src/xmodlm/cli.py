@@ -316,34 +316,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_tokens(runs: list) -> int | None:
-    """Tokens in the training split the runs read (the first run's data directory),
-    or None where it is not prepared yet."""
-    from xmodlm.data.batches import load_manifest
-
-    if not runs:
-        return None
-    try:
-        return int(load_manifest(runs[0].cfg.data.dir)["splits"]["train"]["tokens"])
-    except (UserError, OSError, KeyError, ValueError, TypeError):
-        return None
-
-
 def cmd_sweep(args: argparse.Namespace) -> int:
     from xmodlm.sweep import expand, load_spec, run_sweep, write_results
+    from xmodlm.sweep.plan import dry_run, train_tokens
     from xmodlm.sweep.runner import (
         check_options,
         check_run_set,
         make_executor,
         parse_executor_options,
     )
-    from xmodlm.sweep.spec import (
-        DEFAULT_FIXED_S,
-        check_requirements,
-        estimate_seconds,
-        eval_args,
-        measured_rate,
-    )
+    from xmodlm.sweep.spec import check_requirements, eval_args
 
     check_options(args.executor, args.workers, args.max_retries)
     options = parse_executor_options(args.executor_opt)
@@ -364,35 +346,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if runs:
         check_run_set(args.run_set, runs[0].cfg)
     figures, broken = check_requirements(
-        runs, spec["require"], _train_tokens(runs), strict=not args.dry_run
+        runs, spec["require"], train_tokens(runs), strict=not args.dry_run
     )
     if args.dry_run:
-        import pandas as pd
-
-        table = pd.DataFrame([r.row() for r in runs])
-        table["epochs"] = [f["max_epochs"] for f in figures]
-        source = args.rate_from or (args.out if Path(args.out).is_dir() else None)
-        measured = None if source is None else measured_rate(source)
-        if args.rate_from and measured is None:
-            raise UserError(f"--rate-from {args.rate_from}: no finished runs (runs/*/summary.json)")
-        table["est_s"] = estimate_seconds(
-            runs, workers=args.workers, rate=None if measured is None else measured.rate,
-            fixed_s=None if measured is None else measured.fixed_s,
-        )
-        fmt = {"capacity": "{:.4g}".format, "params_active": "{:.4g}".format,
-               "flops_per_token": "{:.4g}".format, "tokens": "{:.4g}".format,
-               "compute": "{:.3g}".format, "est_s": "{:.0f}".format,
-               "head_frac": "{:.2f}".format,
-               "epochs": lambda v: "?" if v is None or v != v else f"{v:.2f}"}
-        print(table.to_string(index=False, formatters=fmt))
-        how = ("from the measured matmul peak; rough" if measured is None else
-               f"from {measured.rate:.3g} FLOP/s a run, measured by {measured.runs} finished"
-               f" runs in {source}")
-        fixed = (f"{DEFAULT_FIXED_S:.0f} s a run to start and evaluate (assumed)"
-                 if measured is None or measured.fixed_s is None else
-                 f"{measured.fixed_s:.1f} s a run to start and evaluate (measured)")
-        print(f"{len(table)} runs, estimated {table['est_s'].sum() / 60 / args.workers:.0f} min"
-              f" with {args.workers} worker(s) ({how}; {fixed})")
+        print(dry_run(runs, figures, args.workers, args.out, rate_from=args.rate_from))
         for line in broken:  # shown, not refused: a dry run is for fixing the spec
             print(line.replace("sweep spec: ", "would refuse: "))
         return 0
