@@ -209,6 +209,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 # --- commands ------------------------------------------------------------------------
 
 
+def _info_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod info``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("info", help="parameters, FLOPs per token and layout of a config")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_info)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from xmodlm.info import model_info
 
@@ -222,11 +230,55 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _presets_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod presets``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("presets", help="list the shipped config presets")
+    p.set_defaults(func=cmd_presets)
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from xmodlm.config import preset_names
 
     print("\n".join(preset_names()))
     return 0
+
+
+def _data_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod data``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("data", help="prepare training data")
+    data_sub = p.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
+    p = data_sub.add_parser(
+        "prepare",
+        help="build the default corpus (or your files): splits, BPE tokenizer, token files",
+    )
+    p.add_argument("--out", default="data/corpus", help="output directory (default data/corpus)")
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="tokens of the BPE tokenizer trained on the corpus")
+    p.add_argument("--text", nargs="+", metavar="PATH", help="plain-text files or directories")
+    p.add_argument("--jsonl", nargs="+", metavar="PATH",
+                   help="JSONL files, one document per line in a string field (--jsonl-field)")
+    p.add_argument("--jsonl-field", default="text", metavar="NAME",
+                   help="the field of each --jsonl line that holds its document (default text)")
+    p.add_argument("--parquet", nargs="+", metavar="PATH", help="Parquet files with a 'text' column")
+    p.add_argument("--hf-dataset", metavar="NAME",
+                   help="a Hugging Face dataset NAME[:CONFIG] (needs a network)")
+    p.add_argument("--hf-split", default="train", help="split of --hf-dataset to read")
+    p.add_argument("--hf-column", default="text", help="text column of --hf-dataset")
+    p.add_argument("--hf-streaming", action="store_true",
+                   help="stream --hf-dataset rows instead of downloading it whole first")
+    p.add_argument("--hf-limit", type=int, default=None, metavar="N",
+                   help="at most N documents from --hf-dataset")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="your own Hugging Face tokenizer.json instead of a trained BPE"
+                   " (--vocab-size is ignored): used as given, except that <|endoftext|>, which"
+                   " separates documents, is added with the next free id if it lacks one")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the document split")
+    p.add_argument("--force", action="store_true",
+                   help="rebuild --out even though it holds a corpus prepared with other settings"
+                   " (runs trained on that corpus can then no longer be evaluated)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
+    p.set_defaults(func=cmd_data_prepare)
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
@@ -271,6 +323,25 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod train``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("train", help="train a model (model.vocab_size: the corpus's unless"
+                                     " set); rerun on the same --out to resume")
+    _add_config_args(p)
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:N or auto (default: the config's train.device)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no configuration echo and no progress (bar on a terminal, else lines)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--force", action="store_true",
+                   help="resume even though train settings (e.g. max_steps) changed")
+    p.add_argument("--restart", action="store_true",
+                   help="discard the run's checkpoints and metrics and train from step 0"
+                        " (needed when none of its checkpoints loads)")
+    p.set_defaults(func=cmd_train)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from xmodlm.config import load_config
     from xmodlm.train.trainer import train
@@ -303,6 +374,17 @@ def _rounded(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+def _demo_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod demo``'s arguments, beside the command that reads them."""
+    p = sub.add_parser(
+        "demo", help="prepare the corpus, train compute-matched dense-tiny and xmod-tiny"
+    )
+    p.add_argument("--data", default="data/corpus", help="data directory")
+    p.add_argument("--out", default="runs/demo", help="where the two runs go")
+    p.add_argument("--compute", type=_finite, default=1.6e13, help="training FLOPs per model")
+    p.set_defaults(func=cmd_demo)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from xmodlm.demo import format_rows, run_demo
 
@@ -314,6 +396,36 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"Compute-matched at C = {args.compute:.3g} training FLOPs per model:")
     print(format_rows(rows))
     return 0
+
+
+def _sweep_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod sweep``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("sweep", help="run a sweep spec (resumable) and write results.csv")
+    p.add_argument("spec", help="sweep spec YAML")
+    p.add_argument("--out", default="runs/sweep", help="sweep directory")
+    from xmodlm.sweep.runner import EXECUTORS
+
+    p.add_argument("--executor", default="local", choices=list(EXECUTORS),
+                   help="where runs train: this machine, a Ray cluster or Slurm")
+    p.add_argument("--workers", type=int, default=1, help="concurrent runs (local executor)")
+    p.add_argument("--max-retries", type=int, default=2, help="retries of a failed run")
+    p.add_argument("--data", default=None, help="data directory (overrides the spec)")
+    p.add_argument("--executor-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="an executor option (repeatable): ray address=...; slurm folder=...,"
+                   " params.partition=..., params.gpus_per_node=1, local=true")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (default: local)")
+    p.add_argument("--slurm-local", action="store_true",
+                   help="run slurm jobs with submitit's local executor (testing)")
+    p.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
+    p.add_argument("--rate-from", default=None, metavar="SWEEP_DIR",
+                   help="with --dry-run: estimate times from the FLOP/s that this sweep folder's"
+                   " finished runs reached (default: --out's own finished runs, if any)")
+    p.add_argument("--run-set", action="append", default=[], metavar="train.KEY=VALUE",
+                   help="a setting of how the runs execute, for this invocation only and"
+                   " without changing run ids (repeatable): train.compile=on,"
+                   " train.device=cuda, train.ckpt_every=..., trackers")
+    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.set_defaults(func=cmd_sweep)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -374,6 +486,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 1 if result["failed"] else 0
 
 
+def _results_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod results``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("results", help="rebuild a sweep's results table from its run dirs")
+    p.add_argument("sweep_dir")
+    p.add_argument("--out", default=None, help="output CSV (default SWEEP_DIR/results.csv)")
+    p.set_defaults(func=cmd_results)
+
+
 def cmd_results(args: argparse.Namespace) -> int:
     from xmodlm.sweep import write_results
 
@@ -384,6 +504,24 @@ def cmd_results(args: argparse.Namespace) -> int:
         print(f"left out {run_id}: {why}", file=sys.stderr)
     print(f"{n_rows} rows written to {path}")
     return 0
+
+
+def _generate_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod generate``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("generate", help="sample text from a trained run (causal routing)")
+    p.add_argument("run_dir")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt text (repeat for several prompts in one batch)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=_finite, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens only")
+    p.add_argument("--top-p", type=_finite, default=None,
+                   help="sample from the smallest set of tokens holding this probability")
+    p.add_argument("--seed", type=_seed, default=None, help="sampling seed (default: random)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -406,6 +544,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod export``'s arguments, beside the command that reads them."""
+    p = sub.add_parser(
+        "export", help="write a run as safetensors + config.json + tokenizer (transformers-loadable)"
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="directory to write the exported model into")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default newest)")
+    p.add_argument("--dtype", default="float32",
+                   help="dtype of the exported weights: float32 (default), bfloat16 or float16;"
+                        " routers and thresholds stay float32")
+    p.add_argument("--force", action="store_true",
+                   help="write into --out even when it holds something other than an export"
+                        " of this run")
+    p.add_argument("--json", action="store_true", help="print the written config.json")
+    p.set_defaults(func=cmd_export)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from xmodlm.export import export_run
 
@@ -419,6 +575,45 @@ def cmd_export(args: argparse.Namespace) -> int:
               f" vocab {config['vocab_size']}); load with xmodlm.load_pretrained({str(out)!r})"
               " or transformers (trust_remote_code=True)")
     return 0
+
+
+def _law_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod law``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("law", help="fit and apply the X-MoD scaling law")
+    law_sub = p.add_subparsers(dest="law_command", required=True, parser_class=_Parser)
+    p = law_sub.add_parser("fit", help="fit the dense law and the X-MoD delta law")
+    p.add_argument("results", help="results table (CSV or Parquet)")
+    p.add_argument("--form", default="auto", choices=_LazyChoices(_delta_forms),
+                   help="delta form (auto: chosen by held-out error)")
+    p.add_argument("--holdout", default=None,
+                   help="leave-cell-out | top-compute | longest-context")
+    p.add_argument("--n-boot", type=int, default=1000,
+                   help="bootstrap replicates (at least 100; default 1000)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the bootstrap")
+    p.add_argument("--loss", default="causal", choices=["causal", "topk"],
+                   help="validation loss to fit (default causal: what decoding gets)")
+    p.add_argument("--min-steps", type=int, default=1000,
+                   help="leave out runs with fewer optimiser steps (default 1000; 0 keeps all)")
+    p.add_argument("--family", default="xmod",
+                   help="sparse family or variant the delta law is fitted on (default xmod)")
+    p.add_argument("--baseline", default="law", choices=["law", "paired"],
+                   help="what each sparse run's delta is measured against: the dense law at its"
+                   " own size (law, default) or its FLOP-matched dense run (paired)")
+    p.add_argument("--lr", type=_positive, default=None,
+                   help="fit the runs at this peak learning rate (default: the most common)")
+    p.add_argument("--out", default=None, help="write the fit JSON here (for predict/recommend)")
+    p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
+    p.add_argument("--json", action="store_true", help="print the fit as JSON (a summary)")
+    p.add_argument("--samples", action="store_true",
+                   help="with --json: include the bootstrap samples")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
+    p.set_defaults(func=cmd_law_fit)
+    p = law_sub.add_parser("predict", help="predict losses for the rows of a table")
+    p.add_argument("fit", help="fit JSON from `xmod law fit --out`")
+    p.add_argument("--input", required=True, help="table of configurations (CSV or Parquet)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_law_predict)
 
 
 def cmd_law_fit(args: argparse.Namespace) -> int:
@@ -485,6 +680,24 @@ def cmd_law_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recommend_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod recommend``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("recommend", help="which routing configuration to train, by the law")
+    p.add_argument("--compute", type=_finite, required=True, help="training FLOPs C")
+    p.add_argument("--context", type=_count, required=True, help="context length T")
+    p.add_argument("--active-params", type=_finite, required=True, help="N_ae of the backbone")
+    p.add_argument("--max-total-params", type=_finite, default=None,
+                   help="largest total parameter count a candidate may have")
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="vocabulary of the models compared (it sets the LM head's FLOPs)")
+    p.add_argument("--law", default=None, help="fit JSON (default: the shipped fit)")
+    p.add_argument("--loss", default=None, choices=["causal", "topk"],
+                   help="the loss to optimise; the law must have been fitted on it"
+                   " (default: the law's own, causal unless its table had only top-k)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_recommend)
+
+
 def cmd_recommend(args: argparse.Namespace) -> int:
     from xmodlm.law.lawfit import load_fit
     from xmodlm.law.recommend import recommend
@@ -512,6 +725,22 @@ def _results_table(path: str) -> Path:
     return Path(path) / "results.csv" if Path(path).is_dir() else Path(path)
 
 
+def _report_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod report``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("report", help="written report of a sweep: sparse vs FLOP-matched dense, law")
+    p.add_argument("results", help="results table (CSV/Parquet) or a sweep directory")
+    p.add_argument("--out", required=True, help="directory for report.md, report.json, comparisons.csv")
+    p.add_argument("--law", default=None, help="fit JSON to summarise and plot with the runs")
+    p.add_argument("--dense-control", action="append", default=[], metavar="RESULTS",
+                   help="another sweep's results (table or directory) on the same budgets, whose"
+                        " dense runs join the dense ladder and the equal-size comparison (never"
+                        " the FLOP-matched pairing); repeatable")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_report)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from xmodlm.report.sweep_report import sweep_report
 
@@ -524,6 +753,25 @@ def cmd_report(args: argparse.Namespace) -> int:
     else:
         print((Path(args.out) / "report.md").read_text(), end="")
     return 0
+
+
+def _eval_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod eval``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("eval", help="held-out losses, routing statistics, downstream tasks")
+    p.add_argument("run_dir")
+    p.add_argument("--data", default=None, help="data directory (default: the run's)")
+    p.add_argument("--split", default="test", help="held-out split to score: val or test")
+    p.add_argument("--tasks", default="cloze,minimal_pairs", help="comma-separated; '' for none")
+    p.add_argument("--max-items", type=_count, default=200, help="items per downstream task")
+    p.add_argument("--batches", type=int, default=8, metavar="N",
+                   help="evaluation batches of the run's batch size (at most what the split"
+                        " holds); more for tighter routed fractions (default: 8)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
+    p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -560,6 +808,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod calibrate``'s arguments, beside the command that reads them."""
+    p = sub.add_parser(
+        "calibrate",
+        help="set a run's causal routing thresholds to route c (rewrites its newest checkpoint)",
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--data", default=None, help="data directory (default: the run's)")
+    p.add_argument("--tokens", type=int, default=None, metavar="N",
+                   help="training tokens to calibrate on (default: as training does)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_calibrate)
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from xmodlm.eval.calibrate import calibrate_run
 
@@ -572,6 +836,34 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               f" on {record['tokens']:,} training tokens to route c = {record['capacity']:g}"
               f" (rule before: {record['rule_before']})")
     return 0
+
+
+def _lm_eval_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod lm-eval``'s arguments, beside the command that reads them."""
+    p = sub.add_parser(
+        "lm-eval", help="lm-evaluation-harness tasks on a run (needs the 'eval' extra)"
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--tasks", required=True,
+                   help="comma-separated harness task names; offline: xmod_cloze,"
+                        "xmod_minimal_pairs,xmod_cloze_gen,xmod_heldout")
+    p.add_argument("--num-fewshot", type=_index, default=None,
+                   help="examples in each prompt (default: the task's own)")
+    p.add_argument("--limit", type=_finite, default=None,
+                   help="at most N documents per task (or a fraction if below 1)")
+    p.add_argument("--batch-size", type=_count, default=16, help="sequences scored at once")
+    p.add_argument("--include-path", default=None, help="a directory of extra task YAMLs")
+    p.add_argument("--step", type=_index, default=None, help="checkpoint step (default newest)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="dtype the model is scored in")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the harness (few-shot draws)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
+    p.add_argument("--out", default=None, help="also write the JSON record here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
+    p.set_defaults(func=cmd_lm_eval)
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
@@ -622,6 +914,23 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_routing_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod show-routing``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("show-routing", help="picture of which tokens the sparse blocks took")
+    p.add_argument("run_dir")
+    p.add_argument("--text", required=True, help="the text whose routing is drawn")
+    p.add_argument("--out", required=True, help="PNG (an HTML page is written beside it)")
+    p.add_argument("--training-plots", default=None, metavar="DIR",
+                   help="also plot coverage, depth histogram and overlap from metrics.jsonl")
+    p.add_argument("--routing", choices=("causal", "topk"), default="causal",
+                   help="which routing shades the passage: causal (inference's decision,"
+                        " default; empty until it has learned) or topk (training's k = c T"
+                        " tokens); the picture always maps both")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
+    p.set_defaults(func=cmd_show_routing)
+
+
 def cmd_show_routing(args: argparse.Namespace) -> int:
     from xmodlm.report.routing_plots import plot_training, show_routing
 
@@ -640,6 +949,23 @@ def cmd_show_routing(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod plot``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("plot", help="loss curves (train, validation under both routings) of runs")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    p.add_argument("--out", required=True, help="image file (.png, .pdf or .svg)")
+    p.add_argument("--label", action="append", default=[],
+                   help="legend name of a run, in the order of the runs (repeat; default: folder names)")
+    p.add_argument("--title", default=None, help="figure title")
+    p.add_argument("--x", default="tokens", choices=("tokens", "flops", "step"),
+                   help="x axis: training tokens (default), training FLOPs (per-token FLOPs"
+                        " of the run's config times tokens) or optimiser step")
+    p.add_argument("--smooth", type=int, default=0, metavar="N",
+                   help="also draw the training loss as a trailing mean over N logged steps"
+                        " (default 0: raw only)")
+    p.set_defaults(func=cmd_plot)
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from xmodlm.report.curves import plot_runs
 
@@ -652,6 +978,35 @@ def cmd_plot(args: argparse.Namespace) -> int:
                      smooth=args.smooth)
     print(f"wrote {path}")
     return 0
+
+
+def _bench_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod bench``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("bench", help="speed figures, measured side by side in one process")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="device the figures are measured on")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke mode, under a minute: few rounds, no compile, bench size shrunk")
+    p.add_argument("--sizes", default=None, metavar="LIST",
+                   help="comma-separated sizes: bench, w128-t128, w128-t512, w256-t256, or all"
+                   " (default all; --quick: bench)")
+    p.add_argument("--threads", default=None, metavar="LIST",
+                   help="comma-separated thread counts to time each size at, e.g. 1,2"
+                   " (default: the current torch thread count)")
+    p.add_argument("--reps", type=int, default=None, help="timed rounds (default per size)")
+    p.add_argument("--no-compile", action="store_true", help="time eager models only")
+    p.add_argument("--compile-modes", default=None, metavar="LIST",
+                   help="compiled modes timed beside eager: compiled (per block),"
+                   " compiled_model (whole model, as train.compile=on); default both")
+    p.add_argument("--decode-runs", default=None, metavar="RUN,RUN,...",
+                   help="instead: decode speed and KV bytes of trained runs side by side"
+                   " (real test prompts, causal routing; first run is the reference)")
+    p.add_argument("--no-law", action="store_true", help="skip the law-fit timing")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode timing")
+    p.add_argument("--no-widths", action="store_true",
+                   help="skip the width scan (X-MoD over dense at widths 128-1024, one thread)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -689,307 +1044,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"xmod-lm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("info", help="parameters, FLOPs per token and layout of a config")
-    _add_config_args(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_info)
-
-    p = sub.add_parser("presets", help="list the shipped config presets")
-    p.set_defaults(func=cmd_presets)
-
-    p = sub.add_parser("data", help="prepare training data")
-    data_sub = p.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
-    p = data_sub.add_parser(
-        "prepare",
-        help="build the default corpus (or your files): splits, BPE tokenizer, token files",
-    )
-    p.add_argument("--out", default="data/corpus", help="output directory (default data/corpus)")
-    p.add_argument("--vocab-size", type=int, default=4096,
-                   help="tokens of the BPE tokenizer trained on the corpus")
-    p.add_argument("--text", nargs="+", metavar="PATH", help="plain-text files or directories")
-    p.add_argument("--jsonl", nargs="+", metavar="PATH",
-                   help="JSONL files, one document per line in a string field (--jsonl-field)")
-    p.add_argument("--jsonl-field", default="text", metavar="NAME",
-                   help="the field of each --jsonl line that holds its document (default text)")
-    p.add_argument("--parquet", nargs="+", metavar="PATH", help="Parquet files with a 'text' column")
-    p.add_argument("--hf-dataset", metavar="NAME",
-                   help="a Hugging Face dataset NAME[:CONFIG] (needs a network)")
-    p.add_argument("--hf-split", default="train", help="split of --hf-dataset to read")
-    p.add_argument("--hf-column", default="text", help="text column of --hf-dataset")
-    p.add_argument("--hf-streaming", action="store_true",
-                   help="stream --hf-dataset rows instead of downloading it whole first")
-    p.add_argument("--hf-limit", type=int, default=None, metavar="N",
-                   help="at most N documents from --hf-dataset")
-    p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="your own Hugging Face tokenizer.json instead of a trained BPE"
-                   " (--vocab-size is ignored): used as given, except that <|endoftext|>, which"
-                   " separates documents, is added with the next free id if it lacks one")
-    p.add_argument("--seed", type=_seed, default=0, help="seed of the document split")
-    p.add_argument("--force", action="store_true",
-                   help="rebuild --out even though it holds a corpus prepared with other settings"
-                   " (runs trained on that corpus can then no longer be evaluated)")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
-    p.set_defaults(func=cmd_data_prepare)
-
-    p = sub.add_parser("train", help="train a model (model.vocab_size: the corpus's unless"
-                                     " set); rerun on the same --out to resume")
-    _add_config_args(p)
-    p.add_argument("--out", required=True, help="run directory")
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda, cuda:N or auto (default: the config's train.device)")
-    p.add_argument("--quiet", action="store_true",
-                   help="no configuration echo and no progress (bar on a terminal, else lines)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--force", action="store_true",
-                   help="resume even though train settings (e.g. max_steps) changed")
-    p.add_argument("--restart", action="store_true",
-                   help="discard the run's checkpoints and metrics and train from step 0"
-                        " (needed when none of its checkpoints loads)")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("sweep", help="run a sweep spec (resumable) and write results.csv")
-    p.add_argument("spec", help="sweep spec YAML")
-    p.add_argument("--out", default="runs/sweep", help="sweep directory")
-    from xmodlm.sweep.runner import EXECUTORS
-
-    p.add_argument("--executor", default="local", choices=list(EXECUTORS),
-                   help="where runs train: this machine, a Ray cluster or Slurm")
-    p.add_argument("--workers", type=int, default=1, help="concurrent runs (local executor)")
-    p.add_argument("--max-retries", type=int, default=2, help="retries of a failed run")
-    p.add_argument("--data", default=None, help="data directory (overrides the spec)")
-    p.add_argument("--executor-opt", action="append", default=[], metavar="KEY=VALUE",
-                   help="an executor option (repeatable): ray address=...; slurm folder=...,"
-                   " params.partition=..., params.gpus_per_node=1, local=true")
-    p.add_argument("--ray-address", default=None, help="Ray cluster address (default: local)")
-    p.add_argument("--slurm-local", action="store_true",
-                   help="run slurm jobs with submitit's local executor (testing)")
-    p.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
-    p.add_argument("--rate-from", default=None, metavar="SWEEP_DIR",
-                   help="with --dry-run: estimate times from the FLOP/s that this sweep folder's"
-                   " finished runs reached (default: --out's own finished runs, if any)")
-    p.add_argument("--run-set", action="append", default=[], metavar="train.KEY=VALUE",
-                   help="a setting of how the runs execute, for this invocation only and"
-                   " without changing run ids (repeatable): train.compile=on,"
-                   " train.device=cuda, train.ckpt_every=..., trackers")
-    p.add_argument("--quiet", action="store_true", help="no live progress line")
-    p.set_defaults(func=cmd_sweep)
-
-    p = sub.add_parser("results", help="rebuild a sweep's results table from its run dirs")
-    p.add_argument("sweep_dir")
-    p.add_argument("--out", default=None, help="output CSV (default SWEEP_DIR/results.csv)")
-    p.set_defaults(func=cmd_results)
-
-    p = sub.add_parser("generate", help="sample text from a trained run (causal routing)")
-    p.add_argument("run_dir")
-    p.add_argument("--prompt", action="append", required=True,
-                   help="prompt text (repeat for several prompts in one batch)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=_finite, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens only")
-    p.add_argument("--top-p", type=_finite, default=None,
-                   help="sample from the smallest set of tokens holding this probability")
-    p.add_argument("--seed", type=_seed, default=None, help="sampling seed (default: random)")
-    p.add_argument("--device", default="auto",
-                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    p.set_defaults(func=cmd_generate)
-
-    p = sub.add_parser(
-        "export", help="write a run as safetensors + config.json + tokenizer (transformers-loadable)"
-    )
-    p.add_argument("run_dir")
-    p.add_argument("--out", required=True, help="directory to write the exported model into")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default newest)")
-    p.add_argument("--dtype", default="float32",
-                   help="dtype of the exported weights: float32 (default), bfloat16 or float16;"
-                        " routers and thresholds stay float32")
-    p.add_argument("--force", action="store_true",
-                   help="write into --out even when it holds something other than an export"
-                        " of this run")
-    p.add_argument("--json", action="store_true", help="print the written config.json")
-    p.set_defaults(func=cmd_export)
-
-    p = sub.add_parser("eval", help="held-out losses, routing statistics, downstream tasks")
-    p.add_argument("run_dir")
-    p.add_argument("--data", default=None, help="data directory (default: the run's)")
-    p.add_argument("--split", default="test", help="held-out split to score: val or test")
-    p.add_argument("--tasks", default="cloze,minimal_pairs", help="comma-separated; '' for none")
-    p.add_argument("--max-items", type=_count, default=200, help="items per downstream task")
-    p.add_argument("--batches", type=int, default=8, metavar="N",
-                   help="evaluation batches of the run's batch size (at most what the split"
-                        " holds); more for tighter routed fractions (default: 8)")
-    p.add_argument("--device", default="auto",
-                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
-    p.set_defaults(func=cmd_eval)
-
-    p = sub.add_parser(
-        "calibrate",
-        help="set a run's causal routing thresholds to route c (rewrites its newest checkpoint)",
-    )
-    p.add_argument("run_dir")
-    p.add_argument("--data", default=None, help="data directory (default: the run's)")
-    p.add_argument("--tokens", type=int, default=None, metavar="N",
-                   help="training tokens to calibrate on (default: as training does)")
-    p.add_argument("--device", default="auto",
-                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_calibrate)
-
-    p = sub.add_parser(
-        "lm-eval", help="lm-evaluation-harness tasks on a run (needs the 'eval' extra)"
-    )
-    p.add_argument("run_dir")
-    p.add_argument("--tasks", required=True,
-                   help="comma-separated harness task names; offline: xmod_cloze,"
-                        "xmod_minimal_pairs,xmod_cloze_gen,xmod_heldout")
-    p.add_argument("--num-fewshot", type=_index, default=None,
-                   help="examples in each prompt (default: the task's own)")
-    p.add_argument("--limit", type=_finite, default=None,
-                   help="at most N documents per task (or a fraction if below 1)")
-    p.add_argument("--batch-size", type=_count, default=16, help="sequences scored at once")
-    p.add_argument("--include-path", default=None, help="a directory of extra task YAMLs")
-    p.add_argument("--step", type=_index, default=None, help="checkpoint step (default newest)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                   help="dtype the model is scored in")
-    p.add_argument("--seed", type=_seed, default=0, help="seed of the harness (few-shot draws)")
-    p.add_argument("--device", default="auto",
-                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
-    p.add_argument("--out", default=None, help="also write the JSON record here")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
-    p.set_defaults(func=cmd_lm_eval)
-
-    p = sub.add_parser("show-routing", help="picture of which tokens the sparse blocks took")
-    p.add_argument("run_dir")
-    p.add_argument("--text", required=True, help="the text whose routing is drawn")
-    p.add_argument("--out", required=True, help="PNG (an HTML page is written beside it)")
-    p.add_argument("--training-plots", default=None, metavar="DIR",
-                   help="also plot coverage, depth histogram and overlap from metrics.jsonl")
-    p.add_argument("--routing", choices=("causal", "topk"), default="causal",
-                   help="which routing shades the passage: causal (inference's decision,"
-                        " default; empty until it has learned) or topk (training's k = c T"
-                        " tokens); the picture always maps both")
-    p.add_argument("--device", default="auto",
-                   help="cpu, cuda, cuda:N or auto (CUDA where available, else cpu)")
-    p.set_defaults(func=cmd_show_routing)
-
-    p = sub.add_parser("plot", help="loss curves (train, validation under both routings) of runs")
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
-    p.add_argument("--out", required=True, help="image file (.png, .pdf or .svg)")
-    p.add_argument("--label", action="append", default=[],
-                   help="legend name of a run, in the order of the runs (repeat; default: folder names)")
-    p.add_argument("--title", default=None, help="figure title")
-    p.add_argument("--x", default="tokens", choices=("tokens", "flops", "step"),
-                   help="x axis: training tokens (default), training FLOPs (per-token FLOPs"
-                        " of the run's config times tokens) or optimiser step")
-    p.add_argument("--smooth", type=int, default=0, metavar="N",
-                   help="also draw the training loss as a trailing mean over N logged steps"
-                        " (default 0: raw only)")
-    p.set_defaults(func=cmd_plot)
-
-    p = sub.add_parser("law", help="fit and apply the X-MoD scaling law")
-    law_sub = p.add_subparsers(dest="law_command", required=True, parser_class=_Parser)
-    p = law_sub.add_parser("fit", help="fit the dense law and the X-MoD delta law")
-    p.add_argument("results", help="results table (CSV or Parquet)")
-    p.add_argument("--form", default="auto", choices=_LazyChoices(_delta_forms),
-                   help="delta form (auto: chosen by held-out error)")
-    p.add_argument("--holdout", default=None,
-                   help="leave-cell-out | top-compute | longest-context")
-    p.add_argument("--n-boot", type=int, default=1000,
-                   help="bootstrap replicates (at least 100; default 1000)")
-    p.add_argument("--seed", type=_seed, default=0, help="seed of the bootstrap")
-    p.add_argument("--loss", default="causal", choices=["causal", "topk"],
-                   help="validation loss to fit (default causal: what decoding gets)")
-    p.add_argument("--min-steps", type=int, default=1000,
-                   help="leave out runs with fewer optimiser steps (default 1000; 0 keeps all)")
-    p.add_argument("--family", default="xmod",
-                   help="sparse family or variant the delta law is fitted on (default xmod)")
-    p.add_argument("--baseline", default="law", choices=["law", "paired"],
-                   help="what each sparse run's delta is measured against: the dense law at its"
-                   " own size (law, default) or its FLOP-matched dense run (paired)")
-    p.add_argument("--lr", type=_positive, default=None,
-                   help="fit the runs at this peak learning rate (default: the most common)")
-    p.add_argument("--out", default=None, help="write the fit JSON here (for predict/recommend)")
-    p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
-    p.add_argument("--json", action="store_true", help="print the fit as JSON (a summary)")
-    p.add_argument("--samples", action="store_true",
-                   help="with --json: include the bootstrap samples")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
-    p.set_defaults(func=cmd_law_fit)
-    p = law_sub.add_parser("predict", help="predict losses for the rows of a table")
-    p.add_argument("fit", help="fit JSON from `xmod law fit --out`")
-    p.add_argument("--input", required=True, help="table of configurations (CSV or Parquet)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_law_predict)
-
-    p = sub.add_parser("recommend", help="which routing configuration to train, by the law")
-    p.add_argument("--compute", type=_finite, required=True, help="training FLOPs C")
-    p.add_argument("--context", type=_count, required=True, help="context length T")
-    p.add_argument("--active-params", type=_finite, required=True, help="N_ae of the backbone")
-    p.add_argument("--max-total-params", type=_finite, default=None,
-                   help="largest total parameter count a candidate may have")
-    p.add_argument("--vocab-size", type=int, default=4096,
-                   help="vocabulary of the models compared (it sets the LM head's FLOPs)")
-    p.add_argument("--law", default=None, help="fit JSON (default: the shipped fit)")
-    p.add_argument("--loss", default=None, choices=["causal", "topk"],
-                   help="the loss to optimise; the law must have been fitted on it"
-                   " (default: the law's own, causal unless its table had only top-k)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_recommend)
-
-    p = sub.add_parser("report", help="written report of a sweep: sparse vs FLOP-matched dense, law")
-    p.add_argument("results", help="results table (CSV/Parquet) or a sweep directory")
-    p.add_argument("--out", required=True, help="directory for report.md, report.json, comparisons.csv")
-    p.add_argument("--law", default=None, help="fit JSON to summarise and plot with the runs")
-    p.add_argument("--dense-control", action="append", default=[], metavar="RESULTS",
-                   help="another sweep's results (table or directory) on the same budgets, whose"
-                        " dense runs join the dense ladder and the equal-size comparison (never"
-                        " the FLOP-matched pairing); repeatable")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_report)
-
-    p = sub.add_parser("bench", help="speed figures, measured side by side in one process")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="device the figures are measured on")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke mode, under a minute: few rounds, no compile, bench size shrunk")
-    p.add_argument("--sizes", default=None, metavar="LIST",
-                   help="comma-separated sizes: bench, w128-t128, w128-t512, w256-t256, or all"
-                   " (default all; --quick: bench)")
-    p.add_argument("--threads", default=None, metavar="LIST",
-                   help="comma-separated thread counts to time each size at, e.g. 1,2"
-                   " (default: the current torch thread count)")
-    p.add_argument("--reps", type=int, default=None, help="timed rounds (default per size)")
-    p.add_argument("--no-compile", action="store_true", help="time eager models only")
-    p.add_argument("--compile-modes", default=None, metavar="LIST",
-                   help="compiled modes timed beside eager: compiled (per block),"
-                   " compiled_model (whole model, as train.compile=on); default both")
-    p.add_argument("--decode-runs", default=None, metavar="RUN,RUN,...",
-                   help="instead: decode speed and KV bytes of trained runs side by side"
-                   " (real test prompts, causal routing; first run is the reference)")
-    p.add_argument("--no-law", action="store_true", help="skip the law-fit timing")
-    p.add_argument("--no-decode", action="store_true", help="skip the decode timing")
-    p.add_argument("--no-widths", action="store_true",
-                   help="skip the width scan (X-MoD over dense at widths 128-1024, one thread)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_bench)
-
-    p = sub.add_parser(
-        "demo", help="prepare the corpus, train compute-matched dense-tiny and xmod-tiny"
-    )
-    p.add_argument("--data", default="data/corpus", help="data directory")
-    p.add_argument("--out", default="runs/demo", help="where the two runs go")
-    p.add_argument("--compute", type=_finite, default=1.6e13, help="training FLOPs per model")
-    p.set_defaults(func=cmd_demo)
-
+    _info_args(sub)
+    _presets_args(sub)
+    _data_args(sub)
+    _train_args(sub)
+    _sweep_args(sub)
+    _results_args(sub)
+    _generate_args(sub)
+    _export_args(sub)
+    _eval_args(sub)
+    _calibrate_args(sub)
+    _lm_eval_args(sub)
+    _show_routing_args(sub)
+    _plot_args(sub)
+    _law_args(sub)
+    _recommend_args(sub)
+    _report_args(sub)
+    _bench_args(sub)
+    _demo_args(sub)
     _quiet_everywhere(sub)
     return parser
 
