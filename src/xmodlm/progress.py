@@ -1,4 +1,5 @@
-"""Progress of long work, on stderr: the one helper every command uses.
+"""Progress of long work, on stderr: the helper each command's phases use (a sweep's
+live line of runs, with its cost-weighted ETA, is :class:`xmodlm.sweep.runner.Progress`).
 
 A phase (training steps, evaluation batches, bootstrap replicates, ...) is a
 :class:`Progress` with a name, a total and a unit:
