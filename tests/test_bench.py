@@ -311,6 +311,7 @@ def test_quick_bench_has_every_size_model_and_comparison(quick_result: dict) -> 
 
 def test_quick_bench_single_size_sections_and_targets(quick_result: dict) -> None:
     res = quick_result
+    assert 0.05 < res["peak_rss_gb"] < 64  # this process's peak resident memory, in GB
     assert res["routing_overhead"]["size"] == "bench"
     assert 0 < res["routing_overhead"]["share"] < 1
     for name in res["sizes"]:  # quick: decode at every size

@@ -56,8 +56,25 @@ MACHINE_KEYS = ("cpu", "cpu_count", "torch_threads", "torch", "python", "platfor
 Cases = dict[str, dict[str, Case]]  # model name -> mode -> case
 
 
+def peak_rss_gb() -> float | None:
+    """This process's peak resident memory so far, in GB (None where the OS does not
+    say): the bench reports it so a run that would not fit a small machine shows it."""
+    try:
+        import resource
+    except ImportError:  # not on every OS
+        return None
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
+    return kb / (1 << 30 if sys.platform == "darwin" else 1 << 20)
+
+
+_STARTED = time.perf_counter()
+
+
 def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+    """A progress line on stderr (stdout carries the JSON): elapsed time and peak memory."""
+    rss = peak_rss_gb()
+    mem = f", peak {rss:.2f} GB" if rss is not None else ""
+    print(f"[bench {time.perf_counter() - _STARTED:6.0f} s{mem}] {msg}", file=sys.stderr, flush=True)
 
 
 def _load() -> list[float] | None:
@@ -342,5 +359,6 @@ def run_bench(
     env = environment_record()
     result["machine"] = {k: env.get(k) for k in MACHINE_KEYS}
     result["load_avg_end"] = _load()
+    result["peak_rss_gb"] = peak_rss_gb()
     result["wall_s"] = time.perf_counter() - t_start
     return result
