@@ -193,7 +193,7 @@ def test_training_calibrates_and_eval_reports_both_rules(tiny_run: Path, tmp_pat
     import shutil
 
     from xmodlm.eval.calibrate import calibrate_run
-    from xmodlm.model.kv_cache import kv_bytes_formula
+    from xmodlm.flops import kv_bytes_formula
     from xmodlm.runs import checkpoint_dirs, load_run, rewrite_model_weights
 
     cfg, model, _ = load_run(tiny_run)

@@ -10,6 +10,7 @@ from xmodlm.bench.decode import calibrate_untrained_, decode_benchmark
 from xmodlm.config import Config
 from xmodlm.errors import UserError
 from xmodlm.export import generate_from_run
+from xmodlm.flops import kv_bytes_formula
 from xmodlm.model import Transformer, active_depth
 from xmodlm.model.blocks import RoutedBlock
 from xmodlm.model.generate import (
@@ -18,7 +19,7 @@ from xmodlm.model.generate import (
     generate,
     sample_next,
 )
-from xmodlm.model.kv_cache import KVCache, kv_bytes_formula
+from xmodlm.model.kv_cache import KVCache
 
 FAMILIES = {
     "dense": {},

@@ -1,4 +1,4 @@
-"""Analytic parameters and FLOPs per token, and FLOP matching.
+"""Analytic parameters and FLOPs per token, KV-cache bytes, and FLOP matching.
 
 Conventions (one for every family, so comparisons are fair):
 
@@ -26,6 +26,7 @@ experts top_k / E.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from xmodlm import record
@@ -138,6 +139,47 @@ def inference_flops(cfg: ModelConfig, fractions: list[float], context: int | Non
             fwd += block_flops(cfg, letter, T)
     assert next(sparse, None) is None, "more fractions than sparse blocks"
     return fwd
+
+
+def kv_bytes_formula(
+    cfg: ModelConfig,
+    n_tokens: int,
+    routed_fraction_per_block: float | Sequence[float] | None = None,
+    dtype_bytes: int = 4,
+) -> float:
+    """Analytic KV-cache bytes of ``cfg`` holding ``n_tokens`` tokens (summed over the batch).
+
+    Each cached token costs ``2 * d_model * dtype_bytes`` per block (a key and a
+    value over all heads). Anchor, dense and MoE blocks cache every token; sparse
+    block l caches ``f_l * n_tokens``. ``routed_fraction_per_block``: None (every
+    sparse block at the config's capacity c), one fraction for every sparse
+    block, or a sequence with one fraction per sparse block (depth order) or per
+    block (non-sparse entries must be 1). With every f_l = c the ratio to a dense
+    model of the same depth is ``L_active / L``.
+    """
+    layout = cfg.block_layout
+    n_sparse = layout.count("s")
+    if routed_fraction_per_block is None:
+        fractions = [cfg.capacity] * n_sparse
+    elif isinstance(routed_fraction_per_block, (int, float)):
+        fractions = [float(routed_fraction_per_block)] * n_sparse
+    else:
+        given = [float(f) for f in routed_fraction_per_block]
+        if len(given) == n_sparse:
+            fractions = given
+        elif len(given) == len(layout):
+            for letter, f in zip(layout, given, strict=True):
+                if letter != "s" and f != 1.0:
+                    raise UserError(f"routed fraction {f} given for non-sparse block: must be 1")
+            fractions = [f for letter, f in zip(layout, given, strict=True) if letter == "s"]
+        else:
+            raise UserError(
+                f"{len(given)} routed fractions given: need one per sparse block ({n_sparse})"
+                f" or one per block ({len(layout)})"
+            )
+    per_token = 2 * cfg.d_model * dtype_bytes
+    tokens = (len(layout) - n_sparse) * n_tokens + sum(f * n_tokens for f in fractions)
+    return float(tokens * per_token)
 
 
 def count(cfg: ModelConfig, context: int | None = None) -> Counts:

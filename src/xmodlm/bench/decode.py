@@ -16,9 +16,8 @@ import torch
 
 from xmodlm.config import ModelConfig
 from xmodlm.errors import UserError
-from xmodlm.flops import active_depth
+from xmodlm.flops import active_depth, kv_bytes_formula
 from xmodlm.model.generate import Decoder, sample_next
-from xmodlm.model.kv_cache import kv_bytes_formula
 from xmodlm.model.transformer import Transformer
 
 

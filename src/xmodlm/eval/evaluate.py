@@ -28,7 +28,7 @@ from xmodlm.eval import tasks as task_mod
 from xmodlm.eval.calibrate import calibration_windows
 from xmodlm.eval.loss import evaluate
 from xmodlm.fileio import cache_dir
-from xmodlm.model.kv_cache import kv_bytes_formula
+from xmodlm.flops import kv_bytes_formula
 from xmodlm.runs import load_run, tokenizer_path
 
 

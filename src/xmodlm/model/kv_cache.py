@@ -32,7 +32,7 @@ Either way :meth:`KVCache.bytes_used` counts the bytes holding cached tokens
 :meth:`KVCache.bytes_allocated` the bytes of the buffers as allocated. Both
 count keys and values only; positions add 4 bytes per slot
 (:meth:`KVCache.bytes_positions`), i.e. ``2 / (d_model * dtype_bytes)`` of the
-KV bytes. :func:`kv_bytes_formula` is the analytic count that
+KV bytes. :func:`xmodlm.flops.kv_bytes_formula` is the analytic count that
 ``bytes_used`` must equal.
 
 Decoding appends one token per step to the sequences that a block processes:
@@ -44,7 +44,6 @@ Capacity is kept at least ``max_b length_b + 1`` before each write.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
@@ -288,44 +287,3 @@ class KVCache:
     def keep(self, rows: list[int]) -> None:
         for block in self.blocks:
             block.keep(rows)
-
-
-def kv_bytes_formula(
-    cfg: ModelConfig,
-    n_tokens: int,
-    routed_fraction_per_block: float | Sequence[float] | None = None,
-    dtype_bytes: int = 4,
-) -> float:
-    """Analytic KV-cache bytes of ``cfg`` holding ``n_tokens`` tokens (summed over the batch).
-
-    Each cached token costs ``2 * d_model * dtype_bytes`` per block (a key and a
-    value over all heads). Anchor, dense and MoE blocks cache every token; sparse
-    block l caches ``f_l * n_tokens``. ``routed_fraction_per_block``: None (every
-    sparse block at the config's capacity c), one fraction for every sparse
-    block, or a sequence with one fraction per sparse block (depth order) or per
-    block (non-sparse entries must be 1). With every f_l = c the ratio to a dense
-    model of the same depth is ``L_active / L``.
-    """
-    layout = cfg.block_layout
-    n_sparse = layout.count("s")
-    if routed_fraction_per_block is None:
-        fractions = [cfg.capacity] * n_sparse
-    elif isinstance(routed_fraction_per_block, (int, float)):
-        fractions = [float(routed_fraction_per_block)] * n_sparse
-    else:
-        given = [float(f) for f in routed_fraction_per_block]
-        if len(given) == n_sparse:
-            fractions = given
-        elif len(given) == len(layout):
-            for letter, f in zip(layout, given, strict=True):
-                if letter != "s" and f != 1.0:
-                    raise UserError(f"routed fraction {f} given for non-sparse block: must be 1")
-            fractions = [f for letter, f in zip(layout, given, strict=True) if letter == "s"]
-        else:
-            raise UserError(
-                f"{len(given)} routed fractions given: need one per sparse block ({n_sparse})"
-                f" or one per block ({len(layout)})"
-            )
-    per_token = 2 * cfg.d_model * dtype_bytes
-    tokens = (len(layout) - n_sparse) * n_tokens + sum(f * n_tokens for f in fractions)
-    return float(tokens * per_token)
