@@ -1,6 +1,10 @@
-"""The learning-rate check of the isoflop study as a table: validation loss (causal
-routing) per family, end of the profile and peak rate, from the runs of
-``results/isoflop`` (the rule's) and ``results/isoflop/lr-check`` (around it).
+"""The learning-rate check of the isoflop study: validation loss (causal routing)
+per end of the profile, family and peak rate, from the runs of ``results/isoflop``
+and ``results/isoflop/lr-check``; then the rule the README fixed before the third
+round's runs: per end and family a parabola in ln(lr) through its three best
+rates (its best rate, and what any other rate costs it); per end the rate that
+minimises the worse family's cost; the rule a power of the width through the two
+ends' rates; each end and family's cost at the rule.
 
     python results/isoflop/lr_table.py
 """
@@ -9,6 +13,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ENDS = {(64, 2): "width 64 x 2 (smallest)", (128, 3): "width 128 x 3 (largest)"}
@@ -38,6 +44,52 @@ def main() -> None:
                for lr in rates]
         print(f"| {end} | {family} | " + " | ".join(row) + " |")
     print("\n* the best rate of the row")
+    rule(cells)
+
+
+def _parabola(by_lr: dict[float, float]) -> np.ndarray | None:
+    """loss = c0 + c1 x + c2 x^2 in x = ln lr through the three best rates (None with
+    fewer than three, or when its vertex is not between them: not bracketed)."""
+    best3 = sorted(by_lr, key=by_lr.get)[:3]
+    if len(best3) < 3:
+        return None
+    x = np.log(best3)
+    coef = np.polyfit(x, [by_lr[lr] for lr in best3], 2)
+    if coef[0] <= 0 or not x.min() <= -coef[1] / (2 * coef[0]) <= x.max():
+        return None  # the best rate lies outside the rates run: not bracketed
+    return coef
+
+
+def rule(cells: dict[tuple[str, str], dict[float, float]]) -> None:
+    fits = {cell: _parabola(by_lr) for cell, by_lr in cells.items()}
+    grid = np.exp(np.linspace(np.log(1e-3), np.log(1.6e-2), 4001))
+    print("\n| end | family | best rate (parabola) | loss there |\n|---|---|---|---|")
+    for (end, family), coef in sorted(fits.items()):
+        if coef is None:
+            print(f"| {end} | {family} | not inside the rates run | - |")
+            continue
+        x_star = -coef[1] / (2 * coef[0])
+        print(f"| {end} | {family} | {np.exp(x_star):.3g} | {np.polyval(coef, x_star):.4f} |")
+    chosen = {}
+    for end in sorted({e for e, _ in fits}):
+        both = [fits.get((end, f)) for f in ("dense", "xmod")]
+        if any(c is None for c in both):
+            print(f"\n{end}: a family's best rate is not bracketed yet; no rule")
+            return
+        cost = np.max([np.polyval(c, np.log(grid)) - np.polyval(c, -c[1] / (2 * c[0])) for c in both],
+                      axis=0)
+        chosen[end] = float(grid[int(np.argmin(cost))])
+        print(f"\n{end}: the minimax rate is {chosen[end]:.3g} (worse family's cost"
+              f" {cost.min():.4f} nats)")
+    (small, lr_small), (large, lr_large) = sorted(chosen.items(), key=lambda kv: "128" in kv[0])
+    power = -np.log(lr_large / lr_small) / np.log(128 / 64)
+    print(f"\nrule: lr = {lr_large:.3g} x (width / 128) ** -{power:.3f}"
+          f" ({lr_small:.3g} at width 64, {lr_large:.3g} at 128)")
+    print("\n| end | family | cost at the rule (nats) |\n|---|---|---|")
+    for (end, family), coef in sorted(fits.items()):
+        lr = chosen[end]
+        c = np.polyval(coef, np.log(lr)) - np.polyval(coef, -coef[1] / (2 * coef[0]))
+        print(f"| {end} | {family} | {c:.4f} |")
 
 
 if __name__ == "__main__":
