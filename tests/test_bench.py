@@ -28,13 +28,13 @@ from xmodlm.bench import (
     parse_threads,
     run_bench,
 )
+from xmodlm.bench.reference_gpt import ReferenceGPT, reference_optimizer
 from xmodlm.bench.sizes import size_named
 from xmodlm.bench.targets import evaluate, main_threads
 from xmodlm.errors import UserError
 from xmodlm.model import Transformer, routing
 from xmodlm.model.blocks import RoutedBlock
 from xmodlm.model.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, cross_entropy_fp32
-from xmodlm.reference_gpt import ReferenceGPT, reference_optimizer
 
 
 def _dynamo_ok() -> bool:

@@ -73,6 +73,20 @@ def test_train_and_eval_do_not_import_each_other() -> None:
     assert "train" not in _package_imports("sweep")
 
 
+def test_bench_is_a_leaf() -> None:
+    """What serves only ``xmod bench`` (the reference GPT, the law-fit timing) lives
+    under bench/, and only the CLI reaches into it: the library never depends on it."""
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC)
+        if rel.parts[0] in ("bench", "cli", "cli.py"):
+            continue
+        bad += [f"{rel} imports {n}" for n in _imports(path)
+                if n == "xmodlm.bench" or n.startswith("xmodlm.bench.")]
+    assert not bad, "\n".join(bad)
+    assert not (SRC / "reference_gpt.py").exists() and not (SRC / "law" / "bench.py").exists()
+
+
 def test_flop_accounting_loads_without_torch() -> None:
     """flops.py is arithmetic on configs: importing it (and config) pulls in no torch."""
     code = (

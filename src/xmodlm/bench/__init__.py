@@ -15,8 +15,10 @@ The package, by responsibility:
 * :mod:`~xmodlm.bench.step`: the timed step (the trainer's own) and the rounds;
 * :mod:`~xmodlm.bench.compile`: per-block and whole-model ``torch.compile`` and which mode won;
 * :mod:`~xmodlm.bench.gpt2`: the GPT-2-architecture reference model;
+* :mod:`~xmodlm.bench.reference_gpt`: the plain reference GPT, written the textbook way;
 * :mod:`~xmodlm.bench.overhead`: the profiler's share of a step spent routing;
 * :mod:`~xmodlm.bench.decode`: decode speed and the router calibration it needs;
+* :mod:`~xmodlm.bench.law_fit`: seconds for one full law fit on synthetic runs;
 * :mod:`~xmodlm.bench.targets`: what the figures should reach;
 * :mod:`~xmodlm.bench.run`: :func:`run_bench`, which puts them together.
 

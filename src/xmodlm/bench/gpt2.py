@@ -1,6 +1,6 @@
 """A GPT-2-architecture reference model: the other yardstick of ``xmod bench``.
 
-:class:`~xmodlm.reference_gpt.ReferenceGPT` asks "is our dense model a fast
+:class:`~xmodlm.bench.reference_gpt.ReferenceGPT` asks "is our dense model a fast
 implementation of its own architecture?". This model asks the other question a
 reader has: "is our architecture (RMSNorm, rotary, SwiGLU, untied head) as fast
 to train as the well-known one?". It is GPT-2 as published, written plainly:
@@ -68,7 +68,7 @@ class GPT2Reference(nn.Module):
     """GPT-2 with ``cfg``'s width, depth, heads, vocabulary and context.
 
     ``forward(idx, targets)`` returns ``(logits, loss)`` like
-    :class:`~xmodlm.reference_gpt.ReferenceGPT`. Weights are initialised as
+    :class:`~xmodlm.bench.reference_gpt.ReferenceGPT`. Weights are initialised as
     GPT-2 does: normal with the config's ``init_std``, the projections into the
     residual stream scaled down by sqrt(2 n_layers), biases zero.
     """

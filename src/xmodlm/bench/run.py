@@ -2,7 +2,7 @@
 
 For each size (:mod:`xmodlm.bench.sizes`) the bench builds the model family
 FLOP-matched to the size's dense model, the GPT-2 reference
-(:mod:`xmodlm.bench.gpt2`) and the plain :class:`~xmodlm.reference_gpt.ReferenceGPT`;
+(:mod:`xmodlm.bench.gpt2`) and the plain :class:`~xmodlm.bench.reference_gpt.ReferenceGPT`;
 each model is built eager and again in each compiled mode that changes it
 (per block, whole model: :mod:`xmodlm.bench.compile`). Then, at each thread count, all of them are
 timed in the same interleaved rounds (:mod:`xmodlm.bench.step`), so every ratio
@@ -197,7 +197,7 @@ def describe(cases: Cases) -> dict[str, Any]:
         " model's optimiser"
     )
     out["reference_gpt"]["what"] = (
-        "xmodlm.reference_gpt.ReferenceGPT, always eager: the dense architecture written"
+        "xmodlm.bench.reference_gpt.ReferenceGPT, always eager: the dense architecture written"
         " plainly (separate q/k/v/gate/up, autograd norm and rotary, plain AdamW)"
     )
     return out
@@ -249,7 +249,7 @@ def time_size(
 
 
 def law_fit(quick: bool) -> dict[str, Any]:
-    """Seconds for one full law fit on synthetic runs (:func:`xmodlm.law.bench.bench_fit`),
+    """Seconds for one full law fit on synthetic runs (:func:`xmodlm.bench.law_fit.bench_fit`),
     timed in a fresh Python process.
 
     A fresh process is what ``xmod law fit`` runs in, and timed after the training
@@ -258,11 +258,11 @@ def law_fit(quick: bool) -> dict[str, Any]:
     on what the bench ran before it.
     """
     args = QUICK_LAW_FIT if quick else LAW_FIT
-    code = ("import json, sys; from xmodlm.law.bench import bench_fit; "
+    code = ("import json, sys; from xmodlm.bench.law_fit import bench_fit; "
             f"sys.stdout.write('\\n' + json.dumps(bench_fit(**{args!r})))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     seconds = float(done.stdout.strip().splitlines()[-1])
-    return {"seconds": seconds, **args, "source": "xmodlm.law.bench",
+    return {"seconds": seconds, **args, "source": "xmodlm.bench.law_fit",
             "process": "fresh"}
 
 

@@ -30,11 +30,11 @@ from torch import nn
 from xmodlm import flops
 from xmodlm.bench.compile import MODES, compile_blocks, compile_model
 from xmodlm.bench.gpt2 import GPT2Reference, gpt2_counts
+from xmodlm.bench.reference_gpt import ReferenceGPT, reference_optimizer
 from xmodlm.config import ModelConfig, TrainConfig
 from xmodlm.hardware import measure_matmul_gflops, resolve_dtype
 from xmodlm.model import Transformer
 from xmodlm.model.transformer import ModelOutput
-from xmodlm.reference_gpt import ReferenceGPT, reference_optimizer
 from xmodlm.train.optim import build_optimizer
 from xmodlm.train.trainer import train_step
 

@@ -12,8 +12,8 @@ Modules, each usable on its own:
   identification flags);
 * :mod:`~xmodlm.law.predict`: ``predict``, ``predict_samples`` with a fitted law;
 * :mod:`~xmodlm.law.recommend`: ``recommend`` (imports the model's FLOP accounting);
-* :mod:`~xmodlm.law.synthetic`: tables from a known law; ``bench_fit`` in
-  :mod:`~xmodlm.law.bench`.
+* :mod:`~xmodlm.law.synthetic`: tables from a known law (the law-fit benchmark,
+  :mod:`~xmodlm.bench.law_fit`, times a fit on them).
 
 Nothing is imported here, so ``xmod law fit`` does not pay for torch.
 """
