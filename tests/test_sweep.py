@@ -394,17 +394,21 @@ def test_sweep_eta_weighs_runs_by_compute(monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture) -> None:
     """Three runs of 1, 3 and 1 units of compute: when the first (1 unit) ends after
     60 s, 4 units are left, so 4 minutes; counting runs would say 2."""
-    from xmodlm.sweep import runner
+    from xmodlm import progress
 
-    clock = iter([0.0, 60.0, 120.0])
-    monkeypatch.setattr(runner.time, "time", lambda: next(clock))
-    bar = runner.Progress(3, 0, costs={"a": 1e12, "b": 3e12, "c": 1e12})
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    bar = progress.Progress(3, "sweep", unit="done", enabled=True, every_s=0,
+                            weights={"a": 1e12, "b": 3e12, "c": 1e12})  # as run_sweep's
     bar.running = 2
+    now[0] = 60.0
     bar.finished("a", failed=False)
+    now[0] = 120.0
     bar.finished("b", failed=True)
+    bar.set_running(2)  # a poll that changes no count writes no line
     lines = capsys.readouterr().err.splitlines()
-    assert lines == ["sweep: 1/3 done, 2 running, 0 failed, ETA 4.0 min",
-                     "sweep: 1/3 done, 2 running, 1 failed, ETA 0.5 min"]
+    assert lines == ["sweep: 1/3 done, 2 running, 1m00s elapsed, ETA 4m00s",
+                     "sweep: 1/3 done, 2 running, 1 failed, 2m00s elapsed, ETA 30s"]
 
 
 def test_run_set_changes_how_runs_execute_not_their_ids(tiny_data_dir: Path, tmp_path: Path,

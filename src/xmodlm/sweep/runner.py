@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_json, atomic_write_text
+from xmodlm.progress import Progress
 from xmodlm.record import EVAL_FILE
 from xmodlm.sweep.spec import RunSpec
 
@@ -395,66 +396,6 @@ def _estimated_seconds(runs: dict[str, RunSpec], out: Path, workers: int) -> dic
     return dict(zip(runs, seconds, strict=True))
 
 
-class Progress:
-    """A one-line live display: done / running / failed and an ETA.
-
-    The ETA weighs runs by their estimated wall times (``costs``: seconds of each
-    run to do, a fixed cost per run plus its FLOPs over a rate,
-    :func:`xmodlm.sweep.spec.estimate_seconds`): a sweep's runs differ by tiers
-    several times apart, and a small run costs more to start and evaluate than to
-    train, so counting runs or FLOPs alone misjudges the time left. Before a run
-    ends it is the estimate left over ``workers``; then the time so far times the
-    estimate left over the estimate finished in this invocation (the estimate,
-    corrected by the speed seen).
-    """
-
-    def __init__(
-        self, total: int, done: int, enabled: bool = True, costs: dict[str, float] | None = None,
-        workers: int = 1,
-    ) -> None:
-        self.total, self.done, self.failed, self.running = total, done, 0, 0
-        self.workers = max(1, workers)
-        self.enabled = enabled
-        self.t0 = time.time()
-        self.costs = dict(costs or {})
-        self.cost_left = sum(self.costs.values())
-        self.cost_done = 0.0
-        # on a terminal the line redraws in place; piped to a log, a plain line is
-        # written only when the counts change (not every few seconds)
-        self.live = sys.stderr.isatty()
-        self.shown: tuple[int, int, int] | None = None
-
-    def update(self, running: int) -> None:
-        self.running = running
-        counts = (self.done, self.running, self.failed)
-        if not self.enabled or (not self.live and counts == self.shown):
-            return
-        self.shown = counts
-        elapsed = time.time() - self.t0
-        eta = (elapsed * self.cost_left / self.cost_done if self.cost_done > 0
-               else self.cost_left / self.workers if self.costs else float("nan"))
-        eta_s = "?" if eta != eta else f"{eta / 60:.1f} min"
-        line = (f"sweep: {self.done}/{self.total} done, {self.running} running,"
-                f" {self.failed} failed, ETA {eta_s}")
-        sys.stderr.write(f"\r{line}   " if self.live else f"{line}\n")
-        sys.stderr.flush()
-
-    def finished(self, run_id: str, failed: bool) -> None:
-        """Count a run that ended here (done or failed) and show the new counts."""
-        if failed:
-            self.failed += 1
-        else:
-            self.done += 1
-        cost = self.costs.pop(run_id, 0.0)
-        self.cost_left -= cost
-        self.cost_done += cost
-        self.update(self.running)
-
-    def close(self) -> None:
-        if self.enabled and self.live:
-            sys.stderr.write("\n")
-
-
 def run_sweep(
     runs: list[RunSpec],
     out_dir: str | Path,
@@ -507,7 +448,9 @@ def run_sweep(
                             tuple(eval_args), run_set))
             to_run[r.run_id] = r
     costs = _estimated_seconds(to_run, out, workers)
-    bar = Progress(len(runs), done, enabled=progress, costs=costs, workers=workers)
+    # the ETA weighs runs by their estimated seconds (a fixed cost plus FLOPs over a rate)
+    bar = Progress(len(runs), "sweep", unit="done", initial=done, enabled=progress, every_s=0,
+                   weights=costs, parallel=workers)
     outcomes: list[dict[str, Any]] = []
     with SweepStop().installed() as stop:
         for outcome in engine.submit(todo, bar, threads, stop):
@@ -632,7 +575,7 @@ def _run_local(
                 pending.add(pool.submit(run_job, queue.pop(0), stop))
             if not pending:
                 break
-            bar.update(len(pending))
+            bar.set_running(len(pending))
             finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for fut in finished:
                 yield fut.result()
@@ -656,7 +599,7 @@ def _run_ray(
         refs = list(ids)
         while refs and stop.signum is None:
             ready, refs = ray.wait(refs, num_returns=1, timeout=1.0)
-            bar.update(len(refs))
+            bar.set_running(len(refs))
             for ref in ready:
                 yield ray.get(ref)
         for ref in refs:
@@ -702,7 +645,7 @@ def _run_slurm(
             else:
                 still.append(sj)
         submitted = still
-        bar.update(len(submitted))
+        bar.set_running(len(submitted))
         if submitted:
             time.sleep(1.0)
     for sj in submitted:
