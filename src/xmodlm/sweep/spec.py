@@ -400,10 +400,9 @@ def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
 ID_NEUTRAL = {("model", "causal_threshold"): "calibrated"}
 
 
-def run_id(cfg: Config, compute: float) -> str:
+def run_id(cfg: Config) -> str:
     """Stable id: hash of the resolved config (compute included, in train.compute),
     leaving out the :data:`ID_NEUTRAL` fields at their neutral values."""
-    del compute  # already part of cfg.train
     raw = cfg.to_dict()
     for (section, key), neutral in ID_NEUTRAL.items():
         if raw[section].get(key) == neutral:
@@ -459,7 +458,7 @@ def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
         dense_cfg = load_config(base, overrides)
         for variant in _variants(family_entry):
             cfg = _resolve_variant(dense_cfg, variant)
-            rid = run_id(cfg, compute)
+            rid = run_id(cfg)
             if rid not in seen:
                 seen.add(rid)
                 runs.append(RunSpec(rid, cfg, compute))
