@@ -2,10 +2,14 @@
 auxiliary losses as pure functions.
 
 A router is an object of its own (:class:`TopKRouter`): it maps tokens to
-(expert, weight) pairs and returns its auxiliary losses. The MLP does not know
-which kind of router it holds, so a new routing rule (expert choice, sigmoid
-scores, a bias-balanced router) is one new class here with the same
-``forward`` contract, and nothing else changes.
+(expert, weight) pairs and returns its auxiliary losses, and the MLP's dispatch
+does not depend on how the pairs were chosen. A new routing rule (sigmoid
+scores, a bias-balanced router, expert choice) is one new class here with the
+same ``forward`` contract, plus what lies outside the MLP: a config field to
+choose it (:class:`MoEMLP` builds a ``TopKRouter``), the weights of any loss of
+its own (the block's ``aux_weights``), FLOP accounting where the rule changes
+the experts a token runs (``flops`` counts top_k per token), and the exported
+model (``hf.py`` restates top-k routing).
 """
 
 from __future__ import annotations
