@@ -94,6 +94,6 @@ def test_errors_name_the_subcommand_and_losses_are_rounded(
 ) -> None:
     assert main(["law", "fit", str(tmp_path / "missing.csv")]) == 2
     assert capsys.readouterr().err.startswith("xmod law fit: error:")
-    from xmodlm.cli import _rounded
+    from xmodlm.cli.train import _rounded
 
     assert _rounded(7.339908301830292) == "7.3399" and _rounded(None) == "None"

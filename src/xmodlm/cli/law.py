@@ -1,0 +1,194 @@
+"""``xmod law fit``, ``law predict`` and ``recommend``: the scaling law from a results
+table, and what it says to train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from xmodlm.cli.common import (
+    Parser,
+    check_out_dir,
+    check_out_file,
+    count_int,
+    finite,
+    positive,
+    print_json,
+    seed_int,
+)
+
+
+class _LazyChoices:
+    """argparse ``choices`` read on first use (the law registry imports pandas)."""
+
+    def __init__(self, load: Callable[[], list[str]]) -> None:
+        self._load = load
+        self._items: list[str] | None = None
+
+    def _all(self) -> list[str]:
+        if self._items is None:
+            self._items = self._load()
+        return self._items
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._all()
+
+    def __iter__(self) -> Any:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+def _delta_forms() -> list[str]:
+    from xmodlm.law.delta import FORMS
+
+    return ["auto", *FORMS]
+
+
+def law_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod law``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("law", help="fit and apply the X-MoD scaling law")
+    law_sub = p.add_subparsers(dest="law_command", required=True, parser_class=Parser)
+    p = law_sub.add_parser("fit", help="fit the dense law and the X-MoD delta law")
+    p.add_argument("results", help="results table (CSV or Parquet)")
+    p.add_argument("--form", default="auto", choices=_LazyChoices(_delta_forms),
+                   help="delta form (auto: chosen by held-out error)")
+    p.add_argument("--holdout", default=None,
+                   help="leave-cell-out | top-compute | longest-context")
+    p.add_argument("--n-boot", type=int, default=1000,
+                   help="bootstrap replicates (at least 100; default 1000)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the bootstrap")
+    p.add_argument("--loss", default="causal", choices=["causal", "topk"],
+                   help="validation loss to fit (default causal: what decoding gets)")
+    p.add_argument("--min-steps", type=int, default=1000,
+                   help="leave out runs with fewer optimiser steps (default 1000; 0 keeps all)")
+    p.add_argument("--family", default="xmod",
+                   help="sparse family or variant the delta law is fitted on (default xmod)")
+    p.add_argument("--baseline", default="law", choices=["law", "paired"],
+                   help="what each sparse run's delta is measured against: the dense law at its"
+                   " own size (law, default) or its FLOP-matched dense run (paired)")
+    p.add_argument("--lr", type=positive, default=None,
+                   help="fit the runs at this peak learning rate (default: the most common)")
+    p.add_argument("--out", default=None, help="write the fit JSON here (for predict/recommend)")
+    p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
+    p.add_argument("--json", action="store_true", help="print the fit as JSON (a summary)")
+    p.add_argument("--samples", action="store_true",
+                   help="with --json: include the bootstrap samples")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (else a bar on a terminal, plain lines when piped)")
+    p.set_defaults(func=cmd_law_fit)
+    p = law_sub.add_parser("predict", help="predict losses for the rows of a table")
+    p.add_argument("fit", help="fit JSON from `xmod law fit --out`")
+    p.add_argument("--input", required=True, help="table of configurations (CSV or Parquet)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_law_predict)
+
+
+def cmd_law_fit(args: argparse.Namespace) -> int:
+    from xmodlm.law.fit import fit_law
+    from xmodlm.law.table import read_table
+
+    if args.out:
+        check_out_file(args.out)
+    if args.plots:
+        check_out_dir(args.plots, "--plots")
+    fit = fit_law(read_table(args.results), form=args.form, holdout=args.holdout,
+                  n_boot=args.n_boot, seed=args.seed, loss=args.loss,
+                  min_steps=args.min_steps, family=args.family, baseline=args.baseline,
+                  lr=args.lr)
+    if args.out:
+        from xmodlm.fileio import atomic_write_json
+
+        atomic_write_json(Path(args.out), fit.to_json())
+    if args.plots:
+        from xmodlm.report.law_plots import plot_law
+
+        for path in plot_law(fit, read_table(args.results), args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    payload = fit.to_json(samples=args.samples)
+    if args.json:
+        print_json(payload)
+        return 0
+    runs = payload["runs"]
+    print(f"loss: {fit.loss} validation loss; {runs['n']} runs ({runs['dense']} dense,"
+          f" {runs['sparse']} {runs['variant'] or 'sparse'}); left out:"
+          f" {runs['dropped_short']} shorter than {runs['min_steps']} steps,"
+          f" {runs['dropped_unfinished']} unfinished, {runs['excluded_moe']} MoE,"
+          f" other variants {runs['excluded_variants'] or 'none'},"
+          f" {runs['excluded_lr']} at another learning rate than {runs['lr']}")
+    print(f"delta baseline: {fit.baseline}")
+    for note in payload["notes"]:
+        print(f"note: {note}")
+    d = payload["delta"]
+    if d:
+        print(f"selected delta form: {d['selected']} ({d['selection'].get('why', '')})")
+    for flag in payload["identification"]["flags"]:
+        print(f"NOT IDENTIFIED: {flag['law']} {flag['param']}: {flag['problem']}")
+    print(json.dumps(payload["metrics"], indent=2))
+    return 0
+
+
+def cmd_law_predict(args: argparse.Namespace) -> int:
+    from xmodlm.law.lawfit import load_fit
+    from xmodlm.law.predict import predict, predicts_losses
+    from xmodlm.law.table import read_table
+
+    fit = load_fit(args.fit)
+    out = predict(fit, read_table(args.input))
+    what = "loss" if predicts_losses(fit) else "delta"
+    why = ("validation loss with its 95% interval (lo, hi)" if what == "loss" else
+           "delta = ln L(routed) - ln L(FLOP-matched dense) with its 95% interval: the fit"
+           " has no dense law (paired baseline, dense runs of one size), so it predicts"
+           " differences from dense, not losses; a fit with --baseline law predicts losses")
+    if args.json:
+        print_json({"predicts": what, "loss": fit.loss, "predictions": out.to_dict(orient="records")})
+    else:
+        print(f"predicted: {fit.loss}-routing {why}")
+        print(out.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+def recommend_args(sub: argparse._SubParsersAction) -> None:
+    """``xmod recommend``'s arguments, beside the command that reads them."""
+    p = sub.add_parser("recommend", help="which routing configuration to train, by the law")
+    p.add_argument("--compute", type=finite, required=True, help="training FLOPs C")
+    p.add_argument("--context", type=count_int, required=True, help="context length T")
+    p.add_argument("--active-params", type=finite, required=True, help="N_ae of the backbone")
+    p.add_argument("--max-total-params", type=finite, default=None,
+                   help="largest total parameter count a candidate may have")
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="vocabulary of the models compared (it sets the LM head's FLOPs)")
+    p.add_argument("--law", default=None, help="fit JSON (default: the shipped fit)")
+    p.add_argument("--loss", default=None, choices=["causal", "topk"],
+                   help="the loss to optimise; the law must have been fitted on it"
+                   " (default: the law's own, causal unless its table had only top-k)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_recommend)
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    from xmodlm.law.lawfit import load_fit
+    from xmodlm.law.recommend import recommend
+
+    result = recommend(
+        args.compute, args.context, args.active_params,
+        law=load_fit(args.law) if args.law else None,
+        max_total_params=args.max_total_params,
+        loss=args.loss,
+        vocab_size=args.vocab_size,
+    )
+    if args.json:
+        print_json(result)
+    else:
+        print(result["answer"])
+        print(result.get("reason", ""))
+        print(f"(the law predicts the {result['loss']}-routing validation loss)")
+        for w in result.get("warnings", []):
+            print(f"warning: {w}", file=sys.stderr)
+    return 0
