@@ -132,7 +132,7 @@ def test_cli_dry_run(tiny_data_dir: Path, tmp_path: Path, capsys: pytest.Capture
 
 def test_executor_registry_and_options(capsys: pytest.CaptureFixture[str]) -> None:
     from xmodlm.cli import main
-    from xmodlm.sweep.runner import (
+    from xmodlm.sweep.executors import (
         EXECUTORS,
         SlurmExecutor,
         make_executor,

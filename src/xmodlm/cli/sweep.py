@@ -21,7 +21,7 @@ def sweep_args(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sweep", help="run a sweep spec (resumable) and write results.csv")
     p.add_argument("spec", help="sweep spec YAML")
     p.add_argument("--out", default="runs/sweep", help="sweep directory")
-    from xmodlm.sweep.runner import EXECUTORS
+    from xmodlm.sweep.executors import EXECUTORS
 
     p.add_argument("--executor", default="local", choices=list(EXECUTORS),
                    help="where runs train: this machine, a Ray cluster or Slurm")
@@ -48,13 +48,9 @@ def sweep_args(sub: argparse._SubParsersAction) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from xmodlm.sweep import expand, load_spec, run_sweep, write_results
+    from xmodlm.sweep.executors import check_options, make_executor, parse_executor_options
     from xmodlm.sweep.plan import dry_run, train_tokens
-    from xmodlm.sweep.runner import (
-        check_options,
-        check_run_set,
-        make_executor,
-        parse_executor_options,
-    )
+    from xmodlm.sweep.runner import check_run_set
     from xmodlm.sweep.spec import check_requirements, eval_args
 
     check_options(args.executor, args.workers, args.max_retries)
