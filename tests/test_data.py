@@ -32,7 +32,7 @@ from xmodlm.data import (
     strip_gutenberg,
     val_batches,
 )
-from xmodlm.data.corpus import chunk_paragraphs, load_jsonl, load_parquet, load_text
+from xmodlm.data.sources import chunk_paragraphs, load_jsonl, load_parquet, load_text
 from xmodlm.errors import UserError
 
 VOCAB = 300

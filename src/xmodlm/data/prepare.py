@@ -54,10 +54,9 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from xmodlm.data.corpus import (
-    CLEANING_VERSION,
+from xmodlm.data.corpus import CLEANING_VERSION, Document
+from xmodlm.data.sources import (
     JSONL_FIELD,
-    Document,
     SourceSpec,
     load_source,
     resolve_sources,
@@ -120,7 +119,7 @@ def prepare(
     (:func:`~xmodlm.data.tokenizer.load_user_tokenizer`); ``vocab_size`` is then the
     tokenizer's own.
     ``hf_split``, ``hf_column``, ``hf_streaming``, ``hf_limit``: which rows of
-    ``hf_dataset`` are documents (:func:`xmodlm.data.corpus.load_hf_dataset`).
+    ``hf_dataset`` are documents (:func:`xmodlm.data.sources.load_hf_dataset`).
     ``force``: rebuild a complete corpus that was prepared with another request.
     ``jsonl_field``: the field of each ``jsonl`` line that holds its document.
     """
