@@ -299,6 +299,10 @@ def run_bench(
     ``compile_modes`` (``"compiled,compiled_model"``; default both).
     ``include_widths``: the width scan at one thread (:mod:`xmodlm.bench.widths`).
     ``progress``: say what runs on stderr. Bad values raise :class:`UserError`.
+
+    Long on purpose: it is the benchmark's schedule in order (sizes and threads,
+    each model's rounds, compile modes, decode, the width scan, the law fit, the
+    targets), each section a block that writes its part of one result.
     """
     if reps is not None and (isinstance(reps, bool) or not isinstance(reps, int) or reps < 1):
         raise UserError(f"reps={reps!r}: must be an integer >= 1 (timed rounds)")

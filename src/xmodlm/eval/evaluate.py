@@ -63,6 +63,10 @@ def evaluate_run(
     over the budget} and ``kv_bytes_ideal`` / ``kv_over_ideal``,
     ``tasks`` = {name: {accuracy, items, chance}} and bookkeeping (``checkpoint``,
     ``step``, ``split``, ``eval_tokens``).
+
+    Long on purpose: one loaded model and one set of windows give every figure of
+    the record above, in the order listed; each step adds its keys to ``result``,
+    and split apart the steps would pass the model, batches and thresholds along.
     """
     names = task_mod.check_tasks(tasks)
     if max_batches < 1:

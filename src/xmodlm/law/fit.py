@@ -26,6 +26,11 @@ Identification is checked, not assumed (:func:`identification`): a parameter at
 a bound of its box, an interval spanning more than a decade, or a fit that did
 not converge is a flag in the JSON and the plain output, and ``recommend``
 gives no sparse answer from a flagged law.
+
+About 630 lines, kept whole: past :func:`fit_law`, every function here is a step
+of it (run selection, the paired baseline, protocols, bootstrap blocks, form
+selection; the law plots reuse two to show what was fitted); the law's model is
+:mod:`~xmodlm.law.lawfit` and prediction :mod:`~xmodlm.law.predict`.
 """
 
 from __future__ import annotations

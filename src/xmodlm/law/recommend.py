@@ -148,6 +148,10 @@ def recommend(
     ``law`` defaults to the fit shipped as ``xmodlm/law/default_fit.json``, if any.
     ``loss``: the validation loss to optimise; the law must have been fitted on it
     (None: whichever it was fitted on).
+
+    Long on purpose: past the ranking, most of it spells out field by field each
+    candidate's entry and the answer's record, which read best beside the numbers
+    that fill them.
     """
     _check(compute, context, active_params, max_total_params, strides, capacities)
     if vocab_size < 2:

@@ -181,7 +181,12 @@ def show_routing(
     The passage is shaded by sparse depth under ``routing``. Below it, two maps of
     sparse blocks x tokens: the router's score with the top-k choice marked (what
     training routes, meaningful from the first step), and the causal decision (what
-    inference routes, empty until the decision has learned and been calibrated)."""
+    inference routes, empty until the decision has learned and been calibrated).
+
+    Long on purpose: one figure laid out top to bottom (the passage, the score
+    map, the decision map), whose panels share one geometry of inches per
+    character computed at the start.
+    """
     info = routing_of_text(run_dir, text, device, routing)
     tokens, depth, n_sparse = info["tokens"], info["depth"], info["n_sparse"]
     cmap, norm = colormaps[CMAP], Normalize(0, max(1, n_sparse))

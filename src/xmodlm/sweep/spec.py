@@ -49,6 +49,10 @@ Every non-dense run is FLOP-matched to its dense reference (same width, depth
 chosen so training FLOPs per token are closest; DESIGN 4) and every run gets the
 same compute C, so D = C / F_token. A run's id is a hash of its fully resolved
 configuration, so it is stable across invocations and machines.
+
+About 620 lines, kept whole: a spec's grammar (its keys and their checks), its
+expansion into runs with stable ids, and the cost of those runs (the estimate the
+dry run and a sweep's ETA share) are one contract a spec file is read against.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ wrapped in DDP (gloo on CPU, NCCL on GPU), or sharded with FSDP2 when
 ``train.fsdp`` is set; each rank reads its slice of the global batch; only rank
 0 writes. Sharded checkpoints hold full (gathered) weights, so any process can
 load them, and the optimiser state keyed by parameter name.
+
+About 640 lines, kept whole: the loop, its training step (which the bench times
+too) and the run-directory, restore, sharding and checkpoint helpers only the loop
+calls share the run's state (ranks, the wrapped model, the optimiser); reading a
+finished run lives in :mod:`xmodlm.runs`.
 """
 
 from __future__ import annotations
@@ -314,6 +319,11 @@ def train(
     checkpoints, metrics and summary and trains from step 0. Resuming with changed
     train settings (say ``max_steps``) is refused unless ``force``. With ``progress``
     one line on stderr echoes the configuration before the first step.
+
+    Long on purpose: it is the run in order (checks, run directory, restore, the
+    model's wrapping, the step loop with its logging, evaluation, checkpoints and
+    stop signal, the summary), and the loop reads a dozen values the setup made;
+    cut apart, they would travel as one large state object.
     """
     cfg.validate()
     check_trackers(cfg)
