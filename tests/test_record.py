@@ -112,6 +112,26 @@ def test_each_rule_has_one_home(rule: Callable[[ast.AST], bool]) -> None:
     assert [s.split(":")[0] for s in sites] == home, sites
 
 
+def _kv_bytes_per_token(node: ast.AST) -> bool:
+    return isinstance(node, ast.BinOp) and bool(
+        re.fullmatch(r"2 \* [\w.]*d_model \* \w+", ast.unparse(node)))
+
+
+def _progress_class(node: ast.AST) -> bool:
+    return isinstance(node, ast.ClassDef) and "Progress" in node.name
+
+
+@pytest.mark.parametrize(("rule", "home"), [(_kv_bytes_per_token, "flops.py"),
+                                            (_progress_class, "progress.py")],
+                         ids=["kv_bytes_per_token", "progress_class"])
+def test_counts_and_progress_have_one_home(rule: Callable[[ast.AST], bool], home: str) -> None:
+    """The KV-cache bytes a token costs are counted beside the other analytic counts,
+    and every long phase (a sweep's runs included) reports through one helper."""
+    assert [s.split(":")[0] for s in _code_sites(rule)] == [home]
+    copy = "class SweepProgress:\n    def f(self, cfg, b):\n        return 2 * cfg.d_model * b\n"
+    assert any(rule(n) for n in ast.walk(ast.parse(copy)))
+
+
 def test_one_home_check_sees_a_copy(tmp_path: Path) -> None:
     """The checks above turn red on a reintroduced copy."""
     copy = ("def f(stride, capacity, layout, m, c):\n"
