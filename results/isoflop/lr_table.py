@@ -47,29 +47,34 @@ def main() -> None:
     rule(cells)
 
 
-def _parabola(by_lr: dict[float, float]) -> np.ndarray | None:
-    """loss = c0 + c1 x + c2 x^2 in x = ln lr through the three best rates (None with
-    fewer than three, or when its vertex is not between them: not bracketed)."""
-    best3 = sorted(by_lr, key=by_lr.get)[:3]
-    if len(best3) < 3:
-        return None
-    x = np.log(best3)
-    coef = np.polyfit(x, [by_lr[lr] for lr in best3], 2)
-    if coef[0] <= 0 or not x.min() <= -coef[1] / (2 * coef[0]) <= x.max():
-        return None  # the best rate lies outside the rates run: not bracketed
-    return coef
+def _parabola(by_lr: dict[float, float]) -> tuple[np.ndarray | None, str]:
+    """loss = c0 + c1 x + c2 x^2 in x = ln lr through the three best rates, as fixed
+    before the runs; where those three are not a bracketing upward parabola (seed-level
+    noise can put the worst of them in the middle), least squares through every rate
+    run (a stated fallback). None when neither brackets a minimum."""
+    rates = sorted(by_lr, key=by_lr.get)
+    for how, use in (("three best", rates[:3]), ("least squares, all rates", rates)):
+        if len(use) < 3:
+            continue
+        x = np.log(use)
+        coef = np.polyfit(x, [by_lr[lr] for lr in use], 2)
+        if coef[0] > 0 and x.min() <= -coef[1] / (2 * coef[0]) <= x.max():
+            return coef, how
+    return None, "not bracketed"
 
 
 def rule(cells: dict[tuple[str, str], dict[float, float]]) -> None:
-    fits = {cell: _parabola(by_lr) for cell, by_lr in cells.items()}
+    fitted = {cell: _parabola(by_lr) for cell, by_lr in cells.items()}
+    fits = {cell: coef for cell, (coef, _) in fitted.items()}
     grid = np.exp(np.linspace(np.log(1e-3), np.log(1.6e-2), 4001))
-    print("\n| end | family | best rate (parabola) | loss there |\n|---|---|---|---|")
-    for (end, family), coef in sorted(fits.items()):
+    print("\n| end | family | parabola | best rate | loss there |\n|---|---|---|---|---|")
+    for (end, family), (coef, how) in sorted(fitted.items()):
         if coef is None:
-            print(f"| {end} | {family} | not inside the rates run | - |")
+            print(f"| {end} | {family} | {how} | - | - |")
             continue
         x_star = -coef[1] / (2 * coef[0])
-        print(f"| {end} | {family} | {np.exp(x_star):.3g} | {np.polyval(coef, x_star):.4f} |")
+        print(f"| {end} | {family} | {how} | {np.exp(x_star):.3g} |"
+              f" {np.polyval(coef, x_star):.4f} |")
     chosen = {}
     for end in sorted({e for e, _ in fits}):
         both = [fits.get((end, f)) for f in ("dense", "xmod")]
@@ -83,13 +88,17 @@ def rule(cells: dict[tuple[str, str], dict[float, float]]) -> None:
               f" {cost.min():.4f} nats)")
     (small, lr_small), (large, lr_large) = sorted(chosen.items(), key=lambda kv: "128" in kv[0])
     power = -np.log(lr_large / lr_small) / np.log(128 / 64)
-    print(f"\nrule: lr = {lr_large:.3g} x (width / 128) ** -{power:.3f}"
+    print(f"\nrule: lr = {lr_large:.3g} x (width / 128) ** {-power:+.3f}"
           f" ({lr_small:.3g} at width 64, {lr_large:.3g} at 128)")
-    print("\n| end | family | cost at the rule (nats) |\n|---|---|---|")
+    rates_run = sorted({lr for v in cells.values() for lr in v})
+    print("\n| end | family | cost at the rule (nats) | "
+          + " | ".join(f"at {lr:g}" for lr in rates_run) + " |\n|---|---|---|"
+          + "---|" * len(rates_run))
     for (end, family), coef in sorted(fits.items()):
-        lr = chosen[end]
-        c = np.polyval(coef, np.log(lr)) - np.polyval(coef, -coef[1] / (2 * coef[0]))
-        print(f"| {end} | {family} | {c:.4f} |")
+        def cost(lr: float, coef=coef) -> float:
+            return float(np.polyval(coef, np.log(lr)) - np.polyval(coef, -coef[1] / (2 * coef[0])))
+        print(f"| {end} | {family} | {cost(chosen[end]):.4f} | "
+              + " | ".join(f"{cost(lr):.4f}" for lr in rates_run) + " |")
 
 
 if __name__ == "__main__":
