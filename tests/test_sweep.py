@@ -90,14 +90,15 @@ def test_local_sweep_runs_then_skips(tiny_data_dir: Path, tmp_path: Path) -> Non
 
 def test_failing_run_is_recorded_and_others_finish(tiny_data_dir: Path, tmp_path: Path) -> None:
     runs = expand(load_spec(_spec(tmp_path, tiny_data_dir, [{"family": "dense"}, {"family": "mod"}])))
-    # make one run impossible: its context exceeds what the data can hold
+    # make one run impossible in a way only its own process finds: heads that do not
+    # divide the width (the sweep's up-front checks are of the data, not of this)
     bad = runs[1]
-    bad.cfg.model.context = 10_000_000
+    bad.cfg.model.n_heads = 3
     out = tmp_path / "sweep"
     result = run_sweep(runs, out, executor="local", workers=1, max_retries=1, progress=False)
     assert result["failed"] == 1 and result["ran"] == 2
     failure = json.loads((out / "runs" / bad.run_id / "failure.json").read_text())
-    assert failure["attempts"] == 1 and "context" in failure["error_tail"]
+    assert failure["attempts"] == 1 and "n_heads" in failure["error_tail"]
     result = run_sweep(runs, out, executor="local", max_retries=1, progress=False)
     assert result["ran"] == 1 and result["skipped"] == 1  # retried once more
     result = run_sweep(runs, out, executor="local", max_retries=1, progress=False)

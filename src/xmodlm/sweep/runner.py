@@ -44,7 +44,7 @@ SWEEP_FILE = "sweep.json"  # OUT/sweep.json: the name of the spec whose runs OUT
 def check_data(runs: list[RunSpec]) -> None:
     """Each distinct data directory of the runs, checked once before any run starts
     (rather than found missing by every run in turn), and every run against its
-    data: a vocabulary below the data's, or a context longer than a split holds,
+    data: a vocabulary other than the data's, or a context longer than a split holds,
     would fail run after run, each only in its own log."""
     from xmodlm.data.batches import load_manifest, load_split
 
@@ -52,11 +52,11 @@ def check_data(runs: list[RunSpec]) -> None:
         vocab = load_manifest(data_dir)["vocab_size"]
         splits = {split: load_split(data_dir, split) for split in ("train", "val")}
         mine = [r for r in runs if r.cfg.data.dir == data_dir]
-        if small := [r for r in mine if r.cfg.model.vocab_size < vocab]:
+        if other := [r for r in mine if r.cfg.model.vocab_size != vocab]:
             raise UserError(
-                f"sweep spec: run {small[0].run_id} has model.vocab_size"
-                f" {small[0].cfg.model.vocab_size}, below the vocabulary of {vocab} of {data_dir}"
-                f" ({len(small)} run(s)): set model.vocab_size >= {vocab}"
+                f"sweep spec: run {other[0].run_id} has model.vocab_size"
+                f" {other[0].cfg.model.vocab_size}, not the vocabulary of {vocab} of {data_dir}"
+                f" ({len(other)} run(s)), which training requires: set model.vocab_size={vocab}"
             )
         longest = max(mine, key=lambda r: r.cfg.model.context)
         for data in splits.values():
