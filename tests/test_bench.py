@@ -519,3 +519,23 @@ def test_bench_lets_one_process_compile_every_model() -> None:
         assert dynamo.config.recompile_limit >= bench_compile.RECOMPILE_LIMIT >= 2 * 6
     finally:
         dynamo.config.recompile_limit = before
+
+
+def test_bench_defaults_to_the_quick_set_and_talks_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --sizes the bench is the smoke set (the full one takes 30-60 minutes);
+    naming sizes asks for the full bench; progress goes to stderr unless --quiet,
+    --json or not (stdout carries only the JSON)."""
+    import xmodlm.bench
+    from xmodlm.cli import main
+
+    seen: list[dict] = []
+    monkeypatch.setattr(xmodlm.bench, "run_bench", lambda **kw: seen.append(kw) or {"ok": 1})
+    assert main(["bench", "--json"]) == 0
+    assert seen[-1]["quick"] and seen[-1]["progress"] and seen[-1]["sizes"] is None
+    assert "--sizes all" in capsys.readouterr().err
+    assert main(["bench", "--sizes", "all", "--json", "--quiet"]) == 0
+    assert not seen[-1]["quick"] and not seen[-1]["progress"] and seen[-1]["sizes"] == "all"
+    out = capsys.readouterr()
+    assert out.err == "" and '"ok": 1' in out.out
