@@ -1,6 +1,6 @@
 """Run the benchmark and keep its JSON: ``python benchmarks/run_bench.py [--quick] [--out F]``.
 
-The same as ``xmod bench --json``; it also writes the result (with the machine
+The same as ``xmod bench --json --sizes all`` (every size unless --sizes names some); it also writes the result (with the machine
 record inside it) to ``--out`` so that a figure quoted in docs/benchmarks.md can
 be traced to the run that produced it.
 """
