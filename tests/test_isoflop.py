@@ -77,3 +77,18 @@ def test_equal_size_compares_each_routed_size_with_the_dense_parabola_there() ->
         assert q["minus"] == pytest.approx(0.03, abs=0.015)
         assert q["ci95"][0] < 0.03 < q["ci95"][1]
         assert q["tokens_per_param"] == pytest.approx(3e13 / 6 / q["params_active"] ** 2)
+
+
+def test_single_seed_profiles_give_no_interval_and_resolve_nothing() -> None:
+    """With one seed a size no replicate moves: a zero-wide interval would claim a
+    resolved difference, so there is none, and nothing is called resolved."""
+    dense = _runs("dense", 4.0, 4e5, seed=5)
+    xmod = _runs("xmod", 3.9, 4e5, seed=6)
+    keep = lambda df: df[df["seed"] == 0]  # noqa: E731
+    (entry,) = isoflop(pd.concat([keep(dense), keep(xmod)]), ("family", "stride", "capacity"),
+                       n_boot=50)
+    assert all(m["seeds"] == [1] * len(SIZES) for m in entry["minima"])
+    (vs,) = entry["vs_dense"]
+    assert vs["ci95"] is None and not vs["resolved"]
+    assert vs["equal_size"] and all(q["ci95"] is None and not q["resolved"]
+                                    for q in vs["equal_size"])

@@ -164,12 +164,19 @@ def difference(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Minimum loss of ``a`` minus that of ``b`` (:func:`minimum` results), with the
     95% interval of the replicate differences; ``resolved`` when it excludes 0."""
     d = a["_draws"] - b["_draws"]
-    ci = _interval(d)
+    ci = _interval(d) if _has_noise(a, b) else None
     point = (a["loss_star"] - b["loss_star"]
              if a["loss_star"] is not None and b["loss_star"] is not None else None)
     return {"minus": point, "ci95": ci,
             "resolved": bool(ci is not None and (ci[0] > 0 or ci[1] < 0)),
             "both_bracketed": bool(a["bracketed"] and b["bracketed"])}
+
+
+def _has_noise(*minima: dict[str, Any]) -> bool:
+    """Whether every profile shows its seed noise (some size with several seeds): a
+    profile of single seeds has replicates that never move, so an interval from it
+    would be zero-wide and say nothing."""
+    return all(m["pooled_seed_sd"] is not None for m in minima)
 
 
 def equal_size(routed: dict[str, Any], dense: dict[str, Any]) -> list[dict[str, Any]]:
@@ -183,7 +190,7 @@ def equal_size(routed: dict[str, Any], dense: dict[str, Any]) -> list[dict[str, 
         if not lo <= x <= hi:
             continue
         d = routed["_mean_draws"][:, i] - parabola_at(dense["_coef_draws"], x)
-        ci = _interval(d)
+        ci = _interval(d) if _has_noise(routed, dense) else None
         out.append({
             "params_active": float(n),
             "tokens_per_param": (routed.get("tokens_per_param") or [None] * len(routed["sizes"]))[i],
@@ -260,35 +267,39 @@ def isoflop_markdown(entries: list[dict[str, Any]], config_label: Any) -> list[s
              " vertex is the isoFLOP minimum, with 95% bootstrap intervals over seeds."
              " Bracketed: the smallest and largest sizes are each worse than the best by"
              " more than 2 SE (else the vertex is an extrapolation).", ""]
+    def name(config: dict[str, Any]) -> str:
+        return "dense" if config.get("family") == "dense" else config_label(tuple(config.values()))
+
+    def ci_text(ci: list[float] | None, fmt: str) -> str:
+        return f"[{ci[0]:{fmt}}, {ci[1]:{fmt}}]" if ci else "(no interval: one seed a size)"
+
     for e in entries:
         lines += [f"**T = {e['context']}, C = {e['tier']:.2g}**", "",
                   "| configuration | sizes (N) | best size | N* [95%] | L* [95%] | bracketed |",
                   "|---|---|---|---|---|---|"]
         for m in e["minima"]:
-            name = config_label(tuple(m["config"].values()))
-            n_ci = m["n_star_ci95"] or [float("nan")] * 2
-            l_ci = m["loss_star_ci95"] or [float("nan")] * 2
+            noisy = m["pooled_seed_sd"] is not None
+            n_ci = m["n_star_ci95"] if noisy else None
+            l_ci = m["loss_star_ci95"] if noisy else None
             lines.append(
-                f"| {name} | {len(m['sizes'])}: {m['sizes'][0]:.2g}-{m['sizes'][-1]:.2g} |"
-                f" {m['best_size']:.2g} | {_num(m['n_star'], '.3g')} [{n_ci[0]:.3g}, {n_ci[1]:.3g}] |"
-                f" {_num(m['loss_star'], '.4f')} [{l_ci[0]:.4f}, {l_ci[1]:.4f}] |"
+                f"| {name(m['config'])} | {len(m['sizes'])}: {m['sizes'][0]:.2g}-{m['sizes'][-1]:.2g} |"
+                f" {m['best_size']:.2g} | {_num(m['n_star'], '.3g')} {ci_text(n_ci, '.3g')} |"
+                f" {_num(m['loss_star'], '.4f')} {ci_text(l_ci, '.4f')} |"
                 f" {'yes' if m['bracketed'] else 'no'} |")
         for d in e["vs_dense"]:
-            ci = d["ci95"] or [float("nan")] * 2
-            name = config_label(tuple(d["config"].values()))
-            lines.append(f"\nBest {name} minus best dense:"
-                         f" {_num(d['minus'], '+.4f')} [{ci[0]:+.4f}, {ci[1]:+.4f}]"
+            routed = name(d["config"])
+            lines.append(f"\nBest {routed} minus best dense:"
+                         f" {_num(d['minus'], '+.4f')} {ci_text(d['ci95'], '+.4f')}"
                          f"{' (resolved)' if d['resolved'] else ''}"
                          f"{'' if d['both_bracketed'] else ' (a minimum not bracketed)'}")
             if d.get("equal_size"):
-                lines += ["", f"{name} minus dense at equal active size (the dense parabola"
+                lines += ["", f"{routed} minus dense at equal active size (the dense parabola"
                           " at the same N):", "",
                           "| N | tokens / param | seeds | minus dense [95%] |", "|---|---|---|---|"]
                 for q in d["equal_size"]:
-                    qc = q["ci95"] or [float("nan")] * 2
                     tpp = "-" if q["tokens_per_param"] is None else f"{q['tokens_per_param']:.0f}"
                     lines.append(f"| {q['params_active']:.3g} | {tpp} | {q['seeds']} |"
-                                 f" {q['minus']:+.4f} [{qc[0]:+.4f}, {qc[1]:+.4f}]"
+                                 f" {q['minus']:+.4f} {ci_text(q['ci95'], '+.4f')}"
                                  f"{' *' if q['resolved'] else ''} |")
         lines.append("")
     return lines
