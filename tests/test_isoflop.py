@@ -88,6 +88,7 @@ def test_single_seed_profiles_give_no_interval_and_resolve_nothing() -> None:
     (entry,) = isoflop(pd.concat([keep(dense), keep(xmod)]), ("family", "stride", "capacity"),
                        n_boot=50)
     assert all(m["seeds"] == [1] * len(SIZES) for m in entry["minima"])
+    assert all(m["bracketed"] is None for m in entry["minima"])  # unknown, not "yes"
     (vs,) = entry["vs_dense"]
     assert vs["ci95"] is None and not vs["resolved"]
     assert vs["equal_size"] and all(q["ci95"] is None and not q["resolved"]

@@ -118,7 +118,9 @@ def minimum(profile: Profile, n_boot: int = N_BOOT, seed: int = 0) -> dict[str, 
     best = int(np.argmin(profile.means))
     se = _size_se(profile, pooled)
     ends = [0, len(profile.sizes) - 1]
-    bracketed = best not in ends and all(
+    # without any size run at several seeds the SEs are 0 and "worse by 2 SE" says
+    # nothing: the bracket is unknown (None), not shown
+    bracketed = None if pooled is None else best not in ends and all(
         profile.means[e] - profile.means[best] > 2 * np.hypot(se[e], se[best]) for e in ends
     )
     out: dict[str, Any] = {
@@ -127,7 +129,7 @@ def minimum(profile: Profile, n_boot: int = N_BOOT, seed: int = 0) -> dict[str, 
         "seeds": [len(v) for v in profile.losses],
         "mean_loss": [float(m) for m in profile.means],
         "best_size": float(profile.sizes[best]),
-        "bracketed": bool(bracketed),
+        "bracketed": bracketed,
         "curvature": a,
         "n_star": float(np.exp(x_star)) if np.isfinite(x_star) else None,
         "loss_star": l_star if np.isfinite(l_star) else None,
@@ -281,11 +283,14 @@ def isoflop_markdown(entries: list[dict[str, Any]], config_label: Any) -> list[s
             noisy = m["pooled_seed_sd"] is not None
             n_ci = m["n_star_ci95"] if noisy else None
             l_ci = m["loss_star_ci95"] if noisy else None
+            n_star = _num(m["n_star"], ".3g")
+            if m["n_star"] is not None and not m["sizes"][0] <= m["n_star"] <= m["sizes"][-1]:
+                n_star += " (outside the sizes run)"
+            bracket = {True: "yes", False: "no", None: "unknown (one seed a size)"}[m["bracketed"]]
             lines.append(
                 f"| {name(m['config'])} | {len(m['sizes'])}: {m['sizes'][0]:.2g}-{m['sizes'][-1]:.2g} |"
-                f" {m['best_size']:.2g} | {_num(m['n_star'], '.3g')} {ci_text(n_ci, '.3g')} |"
-                f" {_num(m['loss_star'], '.4f')} {ci_text(l_ci, '.4f')} |"
-                f" {'yes' if m['bracketed'] else 'no'} |")
+                f" {m['best_size']:.2g} | {n_star} {ci_text(n_ci, '.3g')} |"
+                f" {_num(m['loss_star'], '.4f')} {ci_text(l_ci, '.4f')} | {bracket} |")
         for d in e["vs_dense"]:
             routed = name(d["config"])
             lines.append(f"\nBest {routed} minus best dense:"
