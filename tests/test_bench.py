@@ -388,6 +388,33 @@ def test_bench_step_is_the_trainers_step(monkeypatch: pytest.MonkeyPatch) -> Non
     assert calls == [1.0] * len(bench_step.KINDS)
 
 
+def test_compiled_cases_share_the_eager_model_and_run_eager_outside_their_step() -> None:
+    """A model's modes share one copy of its weights, optimiser and batch (the bench's
+    memory: three copies of the bench size's models were 7 GB), and its per-block
+    compile is switched on only inside the compiled case's step: the eager case, run
+    after it, runs eager."""
+    from xmodlm.bench import step as bench_step
+    from xmodlm.bench.compile import CompiledBlocks
+
+    cfg = tiny_model_cfg()
+    for kind in ("ours", "gpt2"):
+        eager = bench_step.make_case(kind, cfg, 2, torch.device("cpu"), kind)
+        for mode in ("compiled", "compiled_model"):
+            case = bench_step.make_case(kind, cfg, 2, torch.device("cpu"), kind, mode=mode,
+                                        base=eager)
+            assert case.model is eager.model and case.opt is eager.opt, (kind, mode)
+            assert case.batch is eager.batch and case.mode == mode
+    switch = CompiledBlocks(eager.model)
+    blocks = list(eager.model.blocks)
+    assert switch.mode == "compiled" and len(switch.compiled) == len(blocks)
+    with switch.active():
+        assert all(b._compiled_call_impl is not None for b in blocks)
+    assert all(b._compiled_call_impl is None for b in blocks)
+    with pytest.raises(RuntimeError), switch.active():
+        raise RuntimeError  # left by an exception: still switched off
+    assert all(b._compiled_call_impl is None for b in blocks)
+
+
 def test_gpt2_reference_is_gpt2_shaped() -> None:
     """Tied embedding and head, learned positions, LayerNorm, 4x GELU MLP; its analytic
     counts match the module and its FLOPs are within a few % of our dense model's."""

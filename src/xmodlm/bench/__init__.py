@@ -27,7 +27,7 @@ The method, the machine and the figures measured on it are in ``docs/benchmarks.
 
 from __future__ import annotations
 
-from xmodlm.bench.compile import compile_blocks
+from xmodlm.bench.compile import CompiledBlocks
 from xmodlm.bench.decode import calibrate_untrained_, decode_benchmark
 from xmodlm.bench.gpt2 import GPT2Reference, gpt2_counts
 from xmodlm.bench.run import run_bench
@@ -40,7 +40,7 @@ __all__ = [
     "GPT2Reference",
     "bench_configs",
     "calibrate_untrained_",
-    "compile_blocks",
+    "CompiledBlocks",
     "decode_benchmark",
     "family_configs",
     "gpt2_counts",

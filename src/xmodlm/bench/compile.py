@@ -26,7 +26,8 @@ measure each on each platform, use the faster, say which.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from torch import nn
 
@@ -67,17 +68,36 @@ def compile_model(model: nn.Module) -> nn.Module:
     return torch.compile(model)
 
 
-def compile_blocks(model: nn.Module) -> str:
-    """``torch.compile`` in place every block of ``model`` that is not MoE; says what ran."""
-    done = 0
-    for block in getattr(model, "blocks", []):
-        if block_kind(block) is not None:
-            block.compile()
-            done += 1
-    total = len(getattr(model, "blocks", []))
-    if done == 0:
-        return "eager"
-    return "compiled" if done == total else f"compiled {done} of {total} blocks, others eager"
+class CompiledBlocks:
+    """Every block of a model that is not MoE, compiled, switched on only inside
+    :meth:`active`, so that the eager and per-block cases of one model can share its
+    weights, optimiser and batch (one copy of the model's state for all its modes).
+
+    A block's ``nn.Module.compile()`` sets its ``_compiled_call_impl``, which every call
+    of the block then takes; here that attribute is set on entering :meth:`active` and
+    cleared on leaving, so the same block runs eager everywhere else (in the eager
+    case, and when traced as part of the whole-model compile).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        import torch
+
+        blocks = list(getattr(model, "blocks", []))
+        self.compiled = [(b, torch.compile(b._call_impl)) for b in blocks
+                         if block_kind(b) is not None]
+        done, total = len(self.compiled), len(blocks)
+        self.mode = ("eager" if done == 0 else "compiled" if done == total
+                     else f"compiled {done} of {total} blocks, others eager")
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        for block, impl in self.compiled:
+            block._compiled_call_impl = impl
+        try:
+            yield
+        finally:
+            for block, _ in self.compiled:
+                block._compiled_call_impl = None
 
 
 def parse_modes(modes: str | Iterable[str] | None) -> tuple[str, ...]:

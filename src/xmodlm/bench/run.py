@@ -114,7 +114,8 @@ def build_cases(
                 if kind == "reference" or not bench_compile.compilable(
                         cases[name]["eager"].model, mode):
                     continue  # the plain reference stays as written
-                case = make_case(name, cfg, size.batch, device, kind, mode=mode)
+                case = make_case(name, cfg, size.batch, device, kind, mode=mode,
+                                 base=cases[name]["eager"])
                 t0 = time.perf_counter()
                 case.step()
                 case.first_step_s = record[mode]["first_step_s"][name] = time.perf_counter() - t0

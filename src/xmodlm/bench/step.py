@@ -18,6 +18,7 @@ per-round ratios (a paired comparison), not a ratio of medians.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from xmodlm import flops
-from xmodlm.bench.compile import MODES, compile_blocks, compile_model
+from xmodlm.bench.compile import MODES, CompiledBlocks, compile_model
 from xmodlm.bench.gpt2 import GPT2Reference, gpt2_counts
 from xmodlm.bench.reference_gpt import ReferenceGPT, reference_optimizer
 from xmodlm.config import ModelConfig, TrainConfig
@@ -48,7 +49,7 @@ class _AsModelOutput(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        self.blocks = model.blocks  # so that compile_blocks finds them
+        self.blocks = model.blocks  # so that CompiledBlocks finds them
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> ModelOutput:
         logits, loss = self.model(x, y)
@@ -68,6 +69,8 @@ class Case:
     params_total: int
     tokens_per_step: int
     mode: str = "eager"
+    opt: torch.optim.Optimizer | None = None  # shared by the model's cases in every mode
+    batch: tuple[torch.Tensor, torch.Tensor] | None = None  # (x, y), shared likewise
     first_step_s: float | None = None  # the first (warm-up) step: compiles, when compiled
     times: list[float] = dataclasses.field(default_factory=list)
 
@@ -88,6 +91,7 @@ def make_case(
     device: torch.device,
     kind: str = "ours",
     mode: str = "eager",
+    base: Case | None = None,
 ) -> Case:
     """Build one model of ``kind`` (:data:`KINDS`) in ``mode`` (:data:`~xmodlm.bench.compile.MODES`)
     with its optimiser and a fixed batch.
@@ -97,39 +101,58 @@ def make_case(
     architectures); ``reference`` the plain :class:`ReferenceGPT` with its plain
     AdamW, always eager. Weights and tokens are seeded, so every case of one
     config starts identical.
+
+    ``base``, the eager case of the same model: a compiled case then runs *its*
+    model, optimiser and batch rather than a copy. A step costs the same either way,
+    and the bench holds one copy of each model's state, not one per mode: at the
+    bench size the models with AdamW's two moments are about 3 GB a copy.
     """
     assert kind in KINDS and mode in MODES, (kind, mode)
+    if base is None:
+        model, opt, fpt, params = _build(cfg, kind, device)
+        gen = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1), generator=gen)
+        xy = tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+    else:
+        assert base.mode == "eager" and base.tokens_per_step == batch * cfg.context, base
+        model, opt, xy = base.model, base.opt, base.batch
+        fpt, params = base.flops_per_token, base.params_total
+    runs, switch = model, None
+    if mode == "compiled":
+        switch = CompiledBlocks(model)  # says so if some blocks (MoE) stay eager
+        mode = switch.mode
+    elif mode == "compiled_model":
+        runs = compile_model(model)  # the optimiser holds the same parameters
+    dtype = resolve_dtype("auto", device)
+    grad_clip = TrainConfig(lr=LR).grad_clip
+
+    def step() -> dict[str, Any]:
+        with switch.active() if switch is not None else contextlib.nullcontext():
+            return train_step(runs, opt, lambda _: xy, 1, dtype=dtype, grad_clip=grad_clip,
+                              device=device)
+
+    return Case(name=name, cfg=cfg, model=model, step=step, flops_per_token=fpt,
+                params_total=params, tokens_per_step=batch * cfg.context, mode=mode,
+                opt=opt, batch=xy)
+
+
+def _build(cfg: ModelConfig, kind: str, device: torch.device
+           ) -> tuple[nn.Module, torch.optim.Optimizer, float, int]:
+    """A fresh seeded model of ``kind``, its optimiser, FLOPs per token and parameters."""
     torch.manual_seed(0)
-    train_cfg = TrainConfig(lr=LR)
     model: nn.Module
     if kind == "ours":
         model = Transformer(cfg).to(device)
-        opt = build_optimizer(model, train_cfg)
-        fpt, params = flops.count(cfg).flops_train, flops.count(cfg).params_total
-    elif kind == "gpt2":
+        opt = build_optimizer(model, TrainConfig(lr=LR))
+        return model, opt, flops.count(cfg).flops_train, flops.count(cfg).params_total
+    if kind == "gpt2":
         model = _AsModelOutput(GPT2Reference(cfg).to(device))
-        opt = build_optimizer(model.model, train_cfg)
         counts = gpt2_counts(cfg)
-        fpt, params = counts.flops_train, counts.params_total
-    else:
-        model = _AsModelOutput(ReferenceGPT(cfg).to(device))
-        opt = reference_optimizer(model.model, lr=LR)
-        fpt, params = flops.count(cfg).flops_train, flops.count(cfg).params_total
-    if mode == "compiled":
-        mode = compile_blocks(model)  # says so if some blocks (MoE) stay eager
-    elif mode == "compiled_model":
-        model = compile_model(model)  # the optimiser holds the same parameters
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1), generator=gen)
-    x, y = tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
-    dtype = resolve_dtype("auto", device)
-
-    def step() -> dict[str, Any]:
-        return train_step(model, opt, lambda _: (x, y), 1, dtype=dtype,
-                          grad_clip=train_cfg.grad_clip, device=device)
-
-    return Case(name=name, cfg=cfg, model=model, step=step, flops_per_token=fpt,
-                params_total=params, tokens_per_step=batch * cfg.context, mode=mode)
+        return model, build_optimizer(model.model, TrainConfig(lr=LR)), counts.flops_train, \
+            counts.params_total
+    model = _AsModelOutput(ReferenceGPT(cfg).to(device))
+    opt = reference_optimizer(model.model, lr=LR)
+    return model, opt, flops.count(cfg).flops_train, flops.count(cfg).params_total
 
 
 def _timed(case: Case, device: torch.device) -> float:

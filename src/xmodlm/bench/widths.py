@@ -61,8 +61,10 @@ def width_scan(
             say(f"width scan: width {width}, batch {batch}, {', '.join(out['modes'])}")
             cases: dict[str, dict[str, Case]] = {}
             for name in MODELS:
-                cases[name] = {m: make_case(name, configs[name], batch, device, mode=m)
-                               for m in ("eager", *modes)}
+                eager = make_case(name, configs[name], batch, device)
+                cases[name] = {"eager": eager, **{
+                    m: make_case(name, configs[name], batch, device, mode=m, base=eager)
+                    for m in modes}}
             order = [c for per in cases.values() for c in per.values()]
             interleave(order, device, reps=2 if quick else REPS, min_reps=2 if quick else MIN_REPS,
                        warmup=2, peak_n=peak_n, budget_s=None if quick else BUDGET_S)
