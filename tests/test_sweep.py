@@ -347,6 +347,27 @@ def test_dry_run_sizes_from_measured_throughput(tiny_data_dir: Path, tmp_path: P
     assert main(["sweep", str(spec), "--dry-run", "--rate-from", str(tmp_path / "none")]) == 2
 
 
+def test_dry_run_of_a_resumed_sweep_estimates_only_the_runs_left(
+        tiny_data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A run finished in --out is marked done and left out of the estimate, so the
+    line's minutes are what the rerun will take (it had summed every run)."""
+    from xmodlm.sweep.spec import estimate_seconds
+
+    spec = _spec(tmp_path, tiny_data_dir, [{"family": "dense"}], seeds=[0, 1, 2])
+    runs = expand(load_spec(spec))
+    assert len(runs) == 3
+    out = tmp_path / "sweep"
+    run = out / "runs" / runs[0].run_id
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"status": "ok", "flops": 1e12, "wall_s": 1.0}))
+    assert main(["sweep", str(spec), "--dry-run", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    left = sum(estimate_seconds(runs[1:], rate=1e12, fixed_s=None)) / 60
+    assert f"{len(runs)} runs, 1 done; the {len(runs) - 1} left estimated {left:.0f} min" in text
+    marks = [line.split()[-1] for line in text.splitlines()[1:1 + len(runs)]]
+    assert marks == ["done", "-", "-"]
+
+
 def test_sweep_evaluates_final_checkpoints(tiny_data_dir: Path, tmp_path: Path) -> None:
     """spec eval: each run's final checkpoint is evaluated after training into eval.json
     (causal and top-k loss, downstream tasks), whose figures join the results table; a

@@ -75,7 +75,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         runs, spec["require"], train_tokens(runs), strict=not args.dry_run
     )
     if args.dry_run:
-        print(dry_run(runs, figures, args.workers, args.out, rate_from=args.rate_from))
+        print(dry_run(runs, figures, args.workers, args.out, rate_from=args.rate_from,
+                      needs_eval=bool(eval_args(spec))))
         for line in broken:  # shown, not refused: a dry run is for fixing the spec
             print(line.replace("sweep spec: ", "would refuse: "))
         return 0

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from xmodlm.errors import UserError
+from xmodlm.sweep.runner import run_state
 from xmodlm.sweep.spec import DEFAULT_FIXED_S, RunSpec, estimate_seconds, measured_rate
 
 
@@ -31,9 +32,11 @@ def train_tokens(runs: list[RunSpec]) -> int | None:
 
 def dry_run(
     runs: list[RunSpec], figures: list[dict[str, Any]], workers: int, out: str | Path,
-    rate_from: str | Path | None = None,
+    rate_from: str | Path | None = None, needs_eval: bool = False,
 ) -> str:
-    """The plan as text: the table of runs and a line with the total estimate.
+    """The plan as text: the table of runs and a line with the estimate of what is
+    left (a resumed sweep's finished runs are marked ``done`` and cost nothing;
+    ``needs_eval``: a run is finished once its evaluation is written too).
 
     ``figures``: each run's :func:`~xmodlm.sweep.spec.check_requirements` figures
     (its epochs). The rate comes from the finished runs of ``rate_from``, else of
@@ -52,17 +55,23 @@ def dry_run(
         runs, workers=workers, rate=None if measured is None else measured.rate,
         fixed_s=None if measured is None else measured.fixed_s,
     )
+    table["done"] = [run_state(Path(out) / "runs" / r.run_id, needs_eval)[0] == "done"
+                     for r in runs]
     fmt = {"capacity": "{:.4g}".format, "params_active": "{:.4g}".format,
            "flops_per_token": "{:.4g}".format, "tokens": "{:.4g}".format,
            "compute": "{:.3g}".format, "est_s": "{:.0f}".format,
            "head_frac": "{:.2f}".format,
-           "epochs": lambda v: "?" if v is None or v != v else f"{v:.2f}"}
+           "epochs": lambda v: "?" if v is None or v != v else f"{v:.2f}",
+           "done": lambda v: "done" if v else "-"}
     how = ("from the measured matmul peak; rough" if measured is None else
            f"from {measured.rate:.3g} FLOP/s a run, measured by {measured.runs} finished"
            f" runs in {source}")
     fixed = (f"{DEFAULT_FIXED_S:.0f} s a run to start and evaluate (assumed)"
              if measured is None or measured.fixed_s is None else
              f"{measured.fixed_s:.1f} s a run to start and evaluate (measured)")
+    done = int(table["done"].sum())
+    left = table.loc[~table["done"], "est_s"].sum() / 60 / workers
+    count = (f"{len(table)} runs" if not done else
+             f"{len(table)} runs, {done} done; the {len(table) - done} left")
     return (table.to_string(index=False, formatters=fmt) + "\n"
-            + f"{len(table)} runs, estimated {table['est_s'].sum() / 60 / workers:.0f} min"
-            f" with {workers} worker(s) ({how}; {fixed})")
+            + f"{count} estimated {left:.0f} min with {workers} worker(s) ({how}; {fixed})")
