@@ -433,6 +433,32 @@ def test_sweep_eta_weighs_runs_by_compute(monkeypatch: pytest.MonkeyPatch,
                      "sweep: 1/3 done, 2 running, 1 failed, 2m00s elapsed, ETA 30s"]
 
 
+def test_sweep_eta_counts_the_estimate_down_until_a_full_pool_has_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers, runs of 10, 30 and 20 units (60 over 2 workers: 30 s): the first
+    end, of the cheapest run beside one still running, says nothing of the other's
+    progress, so the ETA keeps counting the estimate down; once two runs have ended it
+    is the time so far corrected by the speed seen; past the estimate with nothing
+    ended it says it does not know."""
+    from xmodlm import progress
+
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    bar = progress.Progress(3, "sweep", unit="done", enabled=False, every_s=0,
+                            weights={"a": 10.0, "b": 30.0, "c": 20.0}, parallel=2)
+    assert bar.eta() == 30.0
+    now[0] = 12.0
+    bar.finished("a")
+    assert bar.eta() == pytest.approx(18.0)  # 30 - 12, not 12 x 50 / 10 = 60
+    now[0] = 33.0
+    bar.finished("b")
+    assert bar.eta() == pytest.approx(33.0 * 20 / 40)
+    late = progress.Progress(2, "sweep", enabled=False, weights={"a": 1.0, "b": 1.0},
+                             parallel=2)
+    now[0] += 5.0
+    assert late.eta() != late.eta()  # nan: shown as "?"
+
+
 def test_run_set_changes_how_runs_execute_not_their_ids(tiny_data_dir: Path, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
     """--run-set passes execution settings to every run under the spec's ids; a setting
