@@ -143,6 +143,17 @@ def test_law_predict_cli_names_what_a_paired_fit_predicts(
     assert payload["predicts"] == "delta" and "pred_loss" not in payload["predictions"][0]
     assert main(argv) == 0
     assert "differences from dense, not losses" in capsys.readouterr().out
+    # a sweep's table with MoE rows beside (the README's `--input results/cpu-study/...`):
+    # those rows are left out and said to be, the others predicted
+    moe = table.head(3).assign(family="moe")
+    pd.concat([table, moe]).to_csv(tmp_path / "rows.csv", index=False)
+    assert main([*argv, "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert len(payload["predictions"]) == len(table)
+    assert payload["left_out"].startswith("3 MoE row(s)")
+    moe.to_csv(tmp_path / "rows.csv", index=False)
+    assert main(argv) == 2
+    assert "every row is MoE" in capsys.readouterr().err
 
 
 def test_other_learning_rates_are_left_out_and_counted(paired: LawFit, table) -> None:

@@ -135,21 +135,32 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
 
 
 def cmd_law_predict(args: argparse.Namespace) -> int:
+    from xmodlm.errors import UserError
     from xmodlm.law.lawfit import load_fit
     from xmodlm.law.predict import predict, predicts_losses
-    from xmodlm.law.table import read_table
+    from xmodlm.law.table import is_moe, read_table
 
     fit = load_fit(args.fit)
-    out = predict(fit, read_table(args.input))
+    table = read_table(args.input)
+    moe = is_moe(table)
+    if moe.all():
+        raise UserError(f"--input {args.input}: every row is MoE, which the sparse-depth law"
+                        " does not model; give it dense, MoD or X-MoD rows")
+    out = predict(fit, table[~moe].reset_index(drop=True))
+    left_out = (f"{int(moe.sum())} MoE row(s) of the input left out: the sparse-depth law"
+                " does not model MoE") if moe.any() else None
     what = "loss" if predicts_losses(fit) else "delta"
     why = ("validation loss with its 95% interval (lo, hi)" if what == "loss" else
            "delta = ln L(routed) - ln L(FLOP-matched dense) with its 95% interval: the fit"
            " has no dense law (paired baseline, dense runs of one size), so it predicts"
            " differences from dense, not losses; a fit with --baseline law predicts losses")
     if args.json:
-        print_json({"predicts": what, "loss": fit.loss, "predictions": out.to_dict(orient="records")})
+        print_json({"predicts": what, "loss": fit.loss, "left_out": left_out,
+                    "predictions": out.to_dict(orient="records")})
     else:
         print(f"predicted: {fit.loss}-routing {why}")
+        if left_out:
+            print(left_out)
         print(out.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     return 0
 

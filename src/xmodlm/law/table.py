@@ -104,6 +104,14 @@ def finished_runs(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     return df[done], int((~done).sum())
 
 
+def is_moe(df: pd.DataFrame) -> pd.Series:
+    """Which rows are MoE runs: the one family the sparse-depth law does not model (a
+    fit leaves them out and counts them; a prediction input names them)."""
+    if "family" not in df:
+        return pd.Series(False, index=df.index)
+    return df["family"].astype(str).str.strip().str.lower().eq("moe")
+
+
 def validate(
     df: pd.DataFrame, need_loss: bool = True, loss: str = "causal", min_steps: int = 0
 ) -> Runs:
@@ -132,11 +140,9 @@ def validate(
         frame, dropped = finished_runs(frame)
         frame, used_loss = _choose_loss(frame, loss, notes)
         frame, short = _long_enough(frame, min_steps)
-    moe = (
-        frame["family"].astype(str).str.strip().str.lower().eq("moe") if "family" in frame else None
-    )
+    moe = is_moe(frame)
     excluded = 0
-    if moe is not None and moe.any():
+    if moe.any():
         if not need_loss:
             raise UserError(f"row {moe.idxmax()}: family moe is outside the sparse-depth law")
         excluded = int(moe.sum())
