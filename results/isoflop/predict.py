@@ -40,7 +40,8 @@ import pandas as pd
 
 from xmodlm.law.fit import fit_law, predict_samples
 from xmodlm.law.table import validate
-from xmodlm.report.isoflop import Profile, fit_parabola, minimum, profiles
+from xmodlm.report.analysis import finished_table
+from xmodlm.report.isoflop import fit_parabola, minimum, profiles
 from xmodlm.sweep.spec import expand, load_spec
 
 HERE = Path(__file__).resolve().parent
@@ -129,8 +130,10 @@ def _equal_size(fit, frame: pd.DataFrame) -> list[dict]:
 
 
 def measured_minima(df: pd.DataFrame) -> dict[float, dict[str, dict]]:
-    """Each lower budget's measured isoFLOP minimum per family, with its draws."""
-    frame = df.assign(tier=df["compute"], loss=df["val_loss"])
+    """Each lower budget's measured isoFLOP minimum per family, with its draws, read
+    as the report reads the outcome (:func:`xmodlm.report.analysis.finished_table`:
+    runs grouped into budgets, the causal loss, a dense run's being its loss)."""
+    frame, _ = finished_table(df, "results.csv")
     out: dict[float, dict[str, dict]] = {}
     for prof in profiles(frame, ("family",)):
         family = prof.key["config"]["family"]
@@ -199,7 +202,7 @@ def main() -> None:
     answer = recommend_answer(law_path, top, active)
     summary = {
         "top_budget": top,
-        "lower_budgets": sorted(float(c) for c in lower["compute"].unique()),
+        "lower_budgets": sorted(minima),
         "runs_fitted": int(len(lower)),
         "law": {"selected_form": fit.selected, "identification": fit.identification,
                 "heldout": fit.metrics.get("heldout"), "in_fit": fit.metrics.get("in_fit"),
@@ -207,7 +210,8 @@ def main() -> None:
         "by_law": by_law,
         "by_minima": by_minima,
         "measured_lower_minima": {
-            str(c): {f: {k: v for k, v in m.items() if k != "_draws"} for f, m in fams.items()}
+            str(c): {f: {k: v for k, v in m.items() if not k.startswith("_")}
+                     for f, m in fams.items()}
             for c, fams in minima.items()},
         "recommend": answer,
     }
@@ -244,6 +248,9 @@ def render(s: dict) -> str:
         lines.append(f"| {e['params_active']:.3g} | {e['tokens_per_param']:.0f} |"
                      f" {e['minus']:+.4f} {_ci(e['ci95'])} |")
     lines += ["", "## By the measured minima, extrapolated log-linearly in C", "",
+              "A straight line in ln C through two budgets' minima: its intervals carry the"
+              " lower budgets' seed noise (bootstrap), not the doubt that the line is the"
+              " right shape, so they are narrower than what is known.", "",
               "| family | N* | L* [95%] | minus dense [95%] | measured minus dense on the lower budgets |",
               "|---|---|---|---|---|"]
     for f, m in mins.items():
