@@ -31,6 +31,7 @@ largest compute):
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -175,9 +176,12 @@ def extrapolate(minima: dict[float, dict[str, dict]], top: float) -> dict[str, d
 
 
 def recommend_answer(law_path: Path, top: float, active: float) -> str:
+    root = HERE.parents[1]  # the command as typed at the repository root
+    law = os.path.relpath(law_path.resolve(), root)
     cmd = ["xmod", "recommend", "--compute", f"{top:g}", "--context", "512",
-           "--active-params", f"{active:.4g}", "--vocab-size", "1024", "--law", str(law_path)]
-    done = subprocess.run([sys.executable, "-m", "xmodlm", *cmd[1:]], capture_output=True, text=True)
+           "--active-params", f"{active:.4g}", "--vocab-size", "1024", "--law", law]
+    done = subprocess.run([sys.executable, "-m", "xmodlm", *cmd[1:]], capture_output=True,
+                          text=True, cwd=root)
     return "$ " + " ".join(cmd) + "\n" + done.stdout + done.stderr
 
 
