@@ -147,9 +147,9 @@ def _build(cfg: ModelConfig, kind: str, device: torch.device
         return model, opt, flops.count(cfg).flops_train, flops.count(cfg).params_total
     if kind == "gpt2":
         model = _AsModelOutput(GPT2Reference(cfg).to(device))
+        opt = build_optimizer(model.model, TrainConfig(lr=LR))
         counts = gpt2_counts(cfg)
-        return model, build_optimizer(model.model, TrainConfig(lr=LR)), counts.flops_train, \
-            counts.params_total
+        return model, opt, counts.flops_train, counts.params_total
     model = _AsModelOutput(ReferenceGPT(cfg).to(device))
     opt = reference_optimizer(model.model, lr=LR)
     return model, opt, flops.count(cfg).flops_train, flops.count(cfg).params_total
