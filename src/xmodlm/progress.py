@@ -75,8 +75,8 @@ class Progress:
     item to end is the cheapest of those running, and what the others have done is
     not seen yet: on micro-quick the speed seen at the first end put the ETA 51% over
     the truth). Then it is the time so far times the cost left over the cost
-    finished (the estimate, corrected by the speed seen). ``every_s=0`` writes a plain line at every change of
-    the counts (a sweep's runs are few and long).
+    finished (the estimate, corrected by the speed seen). ``every_s=0`` writes a plain
+    line at every change of the counts (a sweep's runs are few and long).
     """
 
     def __init__(
@@ -99,7 +99,6 @@ class Progress:
         self.weighted = bool(self.weights)
         self.weight_left = sum(self.weights.values())
         self.weight_done = 0.0
-        self.weight_total = self.weight_left
         self.ended = 0  # weighted items ended, done or failed
         self.parallel = max(1, parallel)
         self.enabled = _ENABLED if enabled is None else bool(enabled)
@@ -182,7 +181,7 @@ class Progress:
             return None
         elapsed = time.monotonic() - self.t0
         if self.weighted:
-            countdown = self.weight_total / self.parallel - elapsed
+            countdown = (self.weight_left + self.weight_done) / self.parallel - elapsed
             if self.weight_done > 0 and (self.ended >= self.parallel or countdown <= 0):
                 return elapsed * self.weight_left / self.weight_done
             return countdown if countdown > 0 else float("nan")  # past the estimate
