@@ -68,8 +68,11 @@ def _public(m: dict) -> dict:
 
 def tokens_per_param_at(m: dict) -> float | None:
     """Tokens per active parameter at a measured minimum's N*: the profile's D / N,
-    interpolated log-log in N (D / N falls steeply and smoothly with N at one budget)."""
+    interpolated log-log in N (D / N falls steeply and smoothly with N at one budget);
+    None where N* lies outside the sizes run (no extrapolation)."""
     if m.get("n_star") is None or "tokens_per_param" not in m:
+        return None
+    if not m["sizes"][0] <= m["n_star"] <= m["sizes"][-1]:
         return None
     return float(np.exp(np.interp(np.log(m["n_star"]), np.log(m["sizes"]), np.log(m["tokens_per_param"]))))
 
