@@ -98,7 +98,7 @@ def per_size(prediction: dict, top_runs: pd.DataFrame) -> list[dict]:
 
 def law_error(rows: list[dict]) -> dict:
     """The law's out-of-budget error over the measured sizes: RMSE and mean error of
-    the predicted loss (nats), and the share of measured means inside its interval."""
+    the predicted loss (nats), and how many measured means lie inside its interval."""
     done = [r for r in rows if r["measured"] is not None]
     if not done:
         return {"n": 0}
@@ -132,6 +132,10 @@ def compare(prediction: dict, minima: dict[str, dict]) -> dict:
             continue
         d = difference(m, dense)
         entry = {"measured": d, "equal_size": equal_size(m, dense)}
+        if family == "xmod":  # the law's equal-size prediction beside each measured size
+            for q in entry["equal_size"]:
+                q["law"] = next((p for p in law["equal_size"]
+                                 if np.isclose(p["params_active"], q["params_active"])), None)
         if family == "xmod":
             p = law["xmod_minus_dense"]
             entry["law"] = {**p, "measured_inside": _inside(d["minus"], p["ci95"])}
@@ -193,6 +197,10 @@ def _yes(x: bool | None) -> str:
     return "-" if x is None else ("yes" if x else "no")
 
 
+def _law_text(p: dict | None) -> str:
+    return "-" if p is None else f"{p['minus']:+.4f} {_ci(p['ci95'])}"
+
+
 def render(s: dict) -> str:
     lines = [f"# The top budget, C = {s['top_budget']:.2g}: registered prediction against outcome", "",
              f"{s['runs_at_top']} finished runs at the top budget (seeds {s['seeds_at_top']};"
@@ -243,10 +251,11 @@ def render(s: dict) -> str:
     xm = s["minus_dense"].get("xmod")
     if xm and xm["equal_size"]:
         lines += ["", "## X-MoD minus dense at equal active size (measured, inside the dense sizes)", "",
-                  "| N | tokens / param | seeds | measured [95%] |", "|---|---|---|---|"]
+                  "| N | tokens / param | seeds | measured [95%] | law [95%] |", "|---|---|---|---|---|"]
         for q in xm["equal_size"]:
             lines.append(f"| {q['params_active']:.3g} | {_num(q['tokens_per_param'], '.0f')} | {q['seeds']} |"
-                         f" {q['minus']:+.4f} {_ci(q['ci95']) if q['ci95'] else '(one seed)'} |")
+                         f" {q['minus']:+.4f} {_ci(q['ci95']) if q['ci95'] else '(one seed)'} |"
+                         f" {_law_text(q.get('law'))} |")
     if "refit" in s:
         r = s["refit"]
         flags = r["identification"].get("flags") or []
