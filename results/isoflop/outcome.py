@@ -23,7 +23,11 @@ What is compared, at the top budget:
    inside the law's 95% interval.
 4. **X-MoD minus dense at equal active size**, measured (inside the dense sizes
    tried) against the law's.
-5. The law **refitted on every run**, its identification, and ``xmod recommend``'s
+5. **Best size against best size, paired by seed**, read from the runs alone
+   (no parabola): each family's size picked on seed 0, compared with dense's on
+   seeds 1-2 (the seeds that played no part in the pick, so seed 0's luck cannot
+   flatter the winner) and on all three.
+6. The law **refitted on every run**, its identification, and ``xmod recommend``'s
    answer with it at the measured best dense size.
 
 A family run at one seed per size shows no seed noise: its minimum then has no
@@ -52,7 +56,7 @@ from predict import (  # noqa: E402  (the prediction's own reading of the runs, 
 )
 
 from xmodlm.law.fit import fit_law  # noqa: E402
-from xmodlm.report.analysis import finished_table  # noqa: E402
+from xmodlm.report.analysis import finished_table, over_seeds  # noqa: E402
 from xmodlm.report.isoflop import difference, equal_size  # noqa: E402
 
 
@@ -105,6 +109,40 @@ def law_error(rows: list[dict]) -> dict:
     err = np.array([r["error"] for r in done])
     return {"n": len(done), "rmse": float(np.sqrt(np.mean(err**2))), "mean_error": float(err.mean()),
             "inside_ci95": int(sum(bool(r["inside"]) for r in done))}
+
+
+def best_sizes_paired(top_runs: pd.DataFrame) -> dict[str, dict]:
+    """Each routed family's best size minus dense's on one budget, paired by seed,
+    from the runs.
+
+    A family's best size is its best seed-0 size (the pick that chose which sizes
+    got seeds 1-2). Seed 0 then favours the pick by its own luck; seeds 1-2 did not
+    take part in it, so their paired difference is the selection-free estimate
+    (:func:`xmodlm.report.analysis.over_seeds`: mean +- SE, t-interval). Both are
+    given; the parabola's minimum (above) is the headline, this is its check."""
+    def pick(family: str) -> tuple[float, pd.Series] | None:
+        runs = top_runs[top_runs["family"] == family]
+        zero = runs[runs["seed"] == 0]
+        if zero.empty:
+            return None
+        n = float(zero.loc[zero["loss"].idxmin(), "params_active"])
+        at = runs[np.isclose(runs["params_active"].astype(float), n)]
+        return n, at.set_index(at["seed"].astype(int))["loss"].astype(float)
+
+    dense = pick("dense")
+    out: dict[str, dict] = {}
+    for family in ("xmod", "moe"):
+        routed = pick(family)
+        if routed is None or dense is None:
+            continue
+        (n, a), (n_dense, b) = routed, dense
+        entry = {"params_active": n, "dense_params_active": n_dense}
+        for name, seeds in (("unpicked_seeds", [s for s in a.index if s != 0]), ("all_seeds", list(a.index))):
+            common = sorted(set(seeds) & set(b.index))
+            entry[name] = ({"seeds": common, **over_seeds((a[common] - b[common]).to_numpy(float))}
+                           if common else None)
+        out[family] = entry
+    return out
 
 
 def compare(prediction: dict, minima: dict[str, dict]) -> dict:
@@ -172,6 +210,8 @@ def main() -> None:
         **compare(prediction, minima),
         "per_size": rows,
         "law_error": law_error(rows),
+        "best_sizes_paired": {f"{c:.3g}": best_sizes_paired(table[np.isclose(table["tier"], c, rtol=0.01)])
+                              for c in sorted(table["tier"].unique())},
     }
     if not args.no_refit:
         fit = fit_law(df.drop(columns=["lr"]), n_boot=N_BOOT, seed=0)
@@ -248,6 +288,26 @@ def render(s: dict) -> str:
         lines.append(f"| {r['family']} | {r['params_active']:.3g} | {r['seeds']} |"
                      f" {r['predicted']:.4f} {_ci(r['predicted_ci95'], '.4f')} |"
                      f" {_num(r['measured'], '.4f')} | {_num(r['error'], '+.4f')} | {_yes(r['inside'])} |")
+    if s["best_sizes_paired"]:
+        lines += ["", "## Best size against best size, paired by seed (from the runs, no parabola)", "",
+                  "Every budget (the lower ones for the trend). Each family's best seed-0 size"
+                  " minus dense's best seed-0 size, by seed. Seeds"
+                  " 1-2 took no part in picking the sizes, so their difference carries no"
+                  " selection bias; with seed 0 added it does. Mean +- SE, 95% t-interval.", "",
+                  "| budget | family | N | dense N | seeds 1-2 [95%] | seeds 0-2 [95%] | resolved (0-2) |",
+                  "|---|---|---|---|---|---|---|"]
+
+        def cell(o: dict | None) -> str:
+            if o is None:
+                return "-"
+            if o["se"] is None:
+                return f"{o['mean']:+.4f} (one seed)"
+            return f"{o['mean']:+.4f} +- {o['se']:.4f} {_ci(o['ci95'])}"
+        for budget, family, b in ((c, f, b) for c, per in s["best_sizes_paired"].items() for f, b in per.items()):
+            allseeds = b["all_seeds"]
+            lines.append(f"| {budget} | {family} | {b['params_active']:.3g} | {b['dense_params_active']:.3g} |"
+                         f" {cell(b['unpicked_seeds'])} | {cell(allseeds)} |"
+                         f" {_yes(allseeds['resolved']) if allseeds and allseeds['se'] is not None else '-'} |")
     xm = s["minus_dense"].get("xmod")
     if xm and xm["equal_size"]:
         lines += ["", "## X-MoD minus dense at equal active size (measured, inside the dense sizes)", "",
