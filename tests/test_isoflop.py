@@ -93,3 +93,36 @@ def test_single_seed_profiles_give_no_interval_and_resolve_nothing() -> None:
     assert vs["ci95"] is None and not vs["resolved"]
     assert vs["equal_size"] and all(q["ci95"] is None and not q["resolved"]
                                     for q in vs["equal_size"])
+
+
+def test_the_figure_draws_each_profile_through_its_own_minimum(tmp_path) -> None:
+    """One axis per budget; each configuration's curve is the parabola the table's
+    minimum comes from (its lowest point is L* at N*), drawn over the sizes run."""
+    from xmodlm.report.isoflop_plots import isoflop_figure, plot_isoflop
+
+    df = pd.concat([_runs("dense", 4.0, 4e5, seed=1), _runs("xmod", 3.95, 6e5, seed=2),
+                    _runs("dense", 3.8, 8e5, seed=3).assign(tier=9e13)])
+    entries = isoflop(df, ("family", "stride", "capacity"), n_boot=100)
+
+    def label(values: tuple) -> str:
+        return f"{values[0]} S={values[1]}"
+
+    fig = isoflop_figure(entries, label)
+    axes = fig.axes
+    assert len(axes) == 2 and "3e+13" in axes[0].get_title() and "9e+13" in axes[1].get_title()
+    curves = [line for line in axes[0].get_lines() if len(line.get_xdata()) > 2]
+    assert len(curves) == 2
+    for line, m in zip(curves, entries[0]["minima"], strict=True):
+        x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
+        assert x.min() == pytest.approx(SIZES[0]) and x.max() == pytest.approx(SIZES[-1])
+        assert y.min() == pytest.approx(m["loss_star"], abs=1e-4)
+        assert x[np.argmin(y)] == pytest.approx(m["n_star"], rel=0.05)
+    names = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "dense" in names and "xmod S=8" in names
+    assert plot_isoflop(entries, tmp_path / "iso.png", label).stat().st_size > 0
+    assert plot_isoflop([], tmp_path / "none.png", label) is None
+    assert not (tmp_path / "none.png").exists()
+    from xmodlm.report.isoflop import isoflop_markdown
+
+    assert "![isoFLOP profiles](iso.png)" in isoflop_markdown(entries, label, "iso.png")
+    assert not any("![" in line for line in isoflop_markdown(entries, label))

@@ -258,9 +258,16 @@ def isoflop(df: pd.DataFrame, config_keys: tuple[str, ...], n_boot: int = N_BOOT
 # --- rendering ------------------------------------------------------------------------
 
 
-def isoflop_markdown(entries: list[dict[str, Any]], config_label: Any) -> list[str]:
+def profile_name(config: dict[str, Any], config_label: Any) -> str:
+    """A profile's configuration as tables and figures name it: ``dense``, or
+    ``config_label(tuple of config values)``."""
+    return "dense" if config.get("family") == "dense" else config_label(tuple(config.values()))
+
+
+def isoflop_markdown(entries: list[dict[str, Any]], config_label: Any, plot: str | None = None) -> list[str]:
     """The report section of :func:`isoflop` (empty without a profile);
-    ``config_label(tuple of config values)`` names a configuration."""
+    ``config_label(tuple of config values)`` names a configuration; ``plot``, the
+    profiles' figure beside the report, if drawn."""
     if not entries:
         return []
     lines = ["", "## IsoFLOP profiles", "",
@@ -270,7 +277,7 @@ def isoflop_markdown(entries: list[dict[str, Any]], config_label: Any) -> list[s
              " Bracketed: the smallest and largest sizes are each worse than the best by"
              " more than 2 SE (else the vertex is an extrapolation).", ""]
     def name(config: dict[str, Any]) -> str:
-        return "dense" if config.get("family") == "dense" else config_label(tuple(config.values()))
+        return profile_name(config, config_label)
 
     def ci_text(ci: list[float] | None, fmt: str) -> str:
         return f"[{ci[0]:{fmt}}, {ci[1]:{fmt}}]" if ci else "(no interval: one seed a size)"
@@ -307,6 +314,8 @@ def isoflop_markdown(entries: list[dict[str, Any]], config_label: Any) -> list[s
                                  f" {q['minus']:+.4f} {ci_text(q['ci95'], '+.4f')}"
                                  f"{' *' if q['resolved'] else ''} |")
         lines.append("")
+    if plot:
+        lines += [f"![isoFLOP profiles]({plot})", ""]
     return lines
 
 

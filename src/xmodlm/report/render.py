@@ -44,7 +44,7 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
         *_dense_ladder_markdown(report),
         *_mixed_pairs_markdown(report.get("mixed_pairs") or []),
         *_equal_size_markdown(report["equal_size"]),
-        *isoflop_markdown(report.get("isoflop") or [], config_label),
+        *isoflop_markdown(report.get("isoflop") or [], config_label, report.get("isoflop_plot")),
         *_causal_gap_markdown(report["causal_gap"]),
         *_dynamics_markdown(report.get("dynamics")),
         *_law_markdown(report["law"]),

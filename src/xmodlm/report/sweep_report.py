@@ -61,6 +61,7 @@ from xmodlm.report.analysis import (
     PAIR_KEYS,
     against_dense,
     causal_gap,
+    config_label,
     dense_ladder,
     equal_size,
     finished_table,
@@ -70,6 +71,7 @@ from xmodlm.report.analysis import (
     run_label,
 )
 from xmodlm.report.isoflop import isoflop
+from xmodlm.report.isoflop_plots import plot_isoflop
 from xmodlm.report.render import render_markdown
 
 if TYPE_CHECKING:
@@ -270,6 +272,7 @@ def sweep_report(
         "dense_ladder": dense_ladder(every),
         "equal_size": equal_size(every),
         "isoflop": isoflop(every, CONFIG_KEYS),
+        "isoflop_plot": None,
         "causal_gap": None,
         "dynamics": None,
         "law": None,
@@ -282,6 +285,8 @@ def sweep_report(
     bar.update(1, done="comparisons summarised")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    plot = plot_isoflop(report["isoflop"], out / "isoflop.png", config_label)
+    report["isoflop_plot"] = plot.name if plot is not None else None
     report["dynamics"] = dynamics(df, results, out, comparisons)
     bar.update(1, done="training dynamics read from the run records")
     fit = None
