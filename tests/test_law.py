@@ -442,3 +442,14 @@ def test_plot_law_writes_pngs(mixed_fit: LawFit, mixed_runs: pd.DataFrame, tmp_p
     points = np.vstack([c.get_offsets() for c in fig.axes[0].collections])
     observed = np.log(sparse["val_loss"].to_numpy()) - predict_samples(mixed_fit, sparse).ln_dense
     assert sorted(points[:, 1]) == pytest.approx(sorted(observed))
+
+
+def test_a_budget_the_runs_stopped_just_short_of_is_inside_the_fit() -> None:
+    """Runs stop on a whole step, a hair under their budget (5.99999e13 for 6e13):
+    asking at the budget is not an extrapolation; 2% past it is."""
+    from xmodlm.law.recommend import outside_fit
+
+    ranges = {"compute": [6.69e12, 5.99999549e13], "tokens": [1e6, 2.99e7], "params_active": [3e4, 1.8e6]}
+    assert outside_fit(ranges, {"compute": 6e13, "tokens": 3e7, "params_active": 1.8e6}) == []
+    far = outside_fit(ranges, {"compute": 6.12e13, "tokens": 1e7, "params_active": 1.9e6})
+    assert [w.split(" ")[0] for w in far] == ["compute", "N_ae"]
