@@ -170,11 +170,10 @@ def compare(prediction: dict, minima: dict[str, dict]) -> dict:
             continue
         d = difference(m, dense)
         entry = {"measured": d, "equal_size": equal_size(m, dense)}
-        if family == "xmod":  # the law's equal-size prediction beside each measured size
+        if family == "xmod":  # the law's predictions beside the measured ones
             for q in entry["equal_size"]:
                 q["law"] = next((p for p in law["equal_size"]
                                  if np.isclose(p["params_active"], q["params_active"])), None)
-        if family == "xmod":
             p = law["xmod_minus_dense"]
             entry["law"] = {**p, "measured_inside": _inside(d["minus"], p["ci95"])}
         if "minus_dense" in extra.get(family, {}):
@@ -210,8 +209,7 @@ def main() -> None:
         **compare(prediction, minima),
         "per_size": rows,
         "law_error": law_error(rows),
-        "best_sizes_paired": {f"{c:.3g}": best_sizes_paired(table[np.isclose(table["tier"], c, rtol=0.01)])
-                              for c in sorted(table["tier"].unique())},
+        "best_sizes_paired": {f"{c:.3g}": best_sizes_paired(runs) for c, runs in table.groupby("tier")},
     }
     if not args.no_refit:
         fit = fit_law(df.drop(columns=["lr"]), n_boot=N_BOOT, seed=0)

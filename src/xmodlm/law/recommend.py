@@ -310,10 +310,11 @@ def outside_fit(ranges: dict[str, Any], point: dict[str, float]) -> list[str]:
             if key in SPARSE_AXES:
                 out.append(f"{name} {format(value, fmt)}: no sparse runs fitted")
             continue
+        tol = STEP_RTOL.get(key, 1e-9)
         if key == "context":
             if int(value) not in span:
                 out.append(f"context {int(value)} not among the fitted {list(span)}")
-        elif not span[0] * (1 - STEP_RTOL.get(key, 1e-9)) <= value <= span[1] * (1 + STEP_RTOL.get(key, 1e-9)):
+        elif not span[0] * (1 - tol) <= value <= span[1] * (1 + tol):
             out.append(f"{name} {format(value, fmt)} outside [{format(span[0], fmt)},"
                        f" {format(span[1], fmt)}]")
     return out

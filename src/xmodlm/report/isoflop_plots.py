@@ -76,7 +76,7 @@ def _draw_profile(ax: Any, m: dict[str, Any], colour: str) -> None:
     ax.scatter(sizes[~several], means[~several], facecolors="none", edgecolors=colour, s=28, zorder=3)
     coefs = parabola_coefs(np.log(sizes), means, seeds)
     grid = np.linspace(np.log(sizes[0]), np.log(sizes[-1]), 100)
-    ax.plot(np.exp(grid), [float(parabola_at(coefs, x)) for x in grid], color=colour, lw=1.2)
+    ax.plot(np.exp(grid), parabola_at(coefs, grid), color=colour, lw=1.2)
     n_star, l_star = m.get("n_star"), m.get("loss_star")
     if n_star is None or l_star is None or not sizes[0] <= n_star <= sizes[-1]:
         return
