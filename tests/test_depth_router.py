@@ -13,10 +13,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import tiny_model_cfg
 from xmodlm import flops
 from xmodlm.config import CAUSAL_ROUTERS
+from xmodlm.depth_routers import kinds
 from xmodlm.errors import UserError
 from xmodlm.model import Transformer
 from xmodlm.model.blocks import RoutedBlock
-from xmodlm.model.depth_routers import kinds
 from xmodlm.train.optim import param_groups
 
 KINDS = sorted(kinds())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from conftest import tiny_model_cfg
+from xmodlm.depth_routers.bce import RouterLogit
 from xmodlm.model import Transformer
-from xmodlm.model.depth_routers.bce import RouterLogit
 
 
 def test_decision_is_the_router_logit_at_no_extra_cost() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from conftest import tiny_model_cfg
+from xmodlm.depth_routers.predictor import Predictor
 from xmodlm.model import Transformer
-from xmodlm.model.depth_routers.predictor import Predictor
 
 
 def test_predictor_does_not_touch_lm_loss() -> None:

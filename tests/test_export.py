@@ -189,8 +189,8 @@ def test_modeling_file_imports_only_torch_transformers_and_stdlib(exported: Path
 def test_modeling_file_runs_every_depth_router_kind() -> None:
     """A new decision kind must be taught to the standalone file too."""
     pytest.importorskip("transformers")
+    from xmodlm.depth_routers import kinds
     from xmodlm.hf import DECISIONS
-    from xmodlm.model.depth_routers import kinds
 
     assert set(DECISIONS) == set(kinds())
 

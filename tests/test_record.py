@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from xmodlm import flops, record
+from xmodlm import depth, flops, record
 from xmodlm.config import ModelConfig
 from xmodlm.law.table import validate
 from xmodlm.report.analysis import run_label
@@ -55,15 +55,17 @@ def test_rho_of_an_explicit_layout_agrees_across_law_report_and_flops() -> None:
 
 def test_derived_layout_rho_is_the_closed_form() -> None:
     for stride, capacity in ((2, 0.125), (4, 0.25), (8, 0.5)):
-        layout = record.derive_layout(2 * stride, stride, capacity)
-        assert record.expansion_ratio(layout, capacity) == stride / (1 + capacity * (stride - 1))
+        layout = depth.legacy_layout(2 * stride, stride, capacity)
+        assert depth.expansion_ratio(layout, capacity) == stride / (1 + capacity * (stride - 1))
 
 
 def test_family_and_sparse_rule() -> None:
-    assert record.derive_layout(4, 2, 0.5) == "DsDs"
-    assert record.derive_layout(4, 2, 1.0) == "DDDD"
-    assert record.derive_layout(2, 1, 0.5, mlp="moe") == "EE"
+    assert depth.legacy_layout(4, 2, 0.5) == "DsDs"
+    assert depth.legacy_layout(4, 2, 1.0) == "DDDD"
+    assert depth.legacy_layout(2, 1, 0.5, dense="E") == "EE"
     assert record.family("DsDs", "logit", 2) == "mod"
+    assert record.family("DsDs", "sigmoid", 2, gate_scope="ffn") == "mod"
+    assert record.family("DsDs", "sigmoid", 2) == "xmod"
     assert record.family("DsDs", "variance_scaled", 2) == "xmod"
     assert record.family("DDDD", "logit", 2) == record.DENSE
     assert record.family("EE", "logit", 1) == "moe"
@@ -105,10 +107,11 @@ def _row_mapping(node: ast.AST) -> bool:
 @pytest.mark.parametrize("rule", [_rho_closed_form, _sparse_rule, _anchors_first_rule,
                                   _row_mapping], ids=lambda r: r.__name__.strip("_"))
 def test_each_rule_has_one_home(rule: Callable[[ast.AST], bool]) -> None:
-    """rho, the sparse rule, the anchors ablation and a config's row are written once,
-    in record.py (the closed form of rho not even there: it is derived from the layout)."""
+    """rho, the sparse rule, the anchors ablation and a config's row are written once:
+    the sparse rule in depth.py (the layout's construction), the rest in record.py
+    (the closed form of rho not even there: it is derived from the layout)."""
     sites = _code_sites(rule)
-    home = [] if rule is _rho_closed_form else ["record.py"]
+    home = {_rho_closed_form: [], _sparse_rule: ["depth.py"]}.get(rule, ["record.py"])
     assert [s.split(":")[0] for s in sites] == home, sites
 
 

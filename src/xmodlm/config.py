@@ -1,9 +1,11 @@
 """Typed configuration: nested dataclasses, YAML presets, ``--set`` overrides.
 
 One configuration space covers every family. Dense, MoD and X-MoD differ only in
-(stride, capacity, gating, balancing); MoE is a choice of MLP. The per-block
-layout string (``D`` dense/anchor, ``s`` sparse, ``E`` MoE) is derived from those
-knobs unless given explicitly, and the model is built from the layout alone.
+(K, A, N0, gating, balancing); MoE is a choice of MLP. The per-block layout string
+(``D`` dense/anchor, ``s`` sparse, ``E`` MoE) is derived from those knobs by the
+paper's construction (:mod:`xmodlm.depth`; the earlier (stride, capacity) are
+aliases, resolved there too) unless given explicitly, and the model is built from
+the layout alone.
 
 Every value a user can set is validated in :meth:`Config.validate`; errors raise
 :class:`~xmodlm.errors.UserError` naming the key and what is allowed.
@@ -22,12 +24,15 @@ from typing import Any
 
 import yaml
 
-from xmodlm import record
+from xmodlm import depth, record
+from xmodlm.depth_routers import kinds as depth_router_kinds
 from xmodlm.errors import UserError
-from xmodlm.model.depth_routers import kinds as depth_router_kinds
 
 GATINGS = ("logit", "sigmoid", "variance_scaled")
-CAUSAL_ROUTERS = tuple(sorted(depth_router_kinds()))  # xmodlm.model.depth_routers
+# block: g (a + f), the whole routed residual (X-MoD, Eq. 7); ffn: a + g f (MoD, Eq. 6)
+GATE_SCOPES = ("block", "ffn")
+BALANCES = ("token_bias", "cv", "none")
+CAUSAL_ROUTERS = tuple(sorted(depth_router_kinds()))  # xmodlm.depth_routers
 CAUSAL_THRESHOLDS = ("calibrated", "half")  # xmodlm.model.depth_router
 MLPS = ("swiglu", "moe")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -45,12 +50,27 @@ class ModelConfig:
     n_heads: int = 4
     d_ff: int = 0  # 0: SwiGLU default, 8/3 * d_model rounded up to a multiple of 32
     context: int = 256
-    # --- sparse depth -------------------------------------------------------
+    # --- sparse depth (xmodlm.depth) ---------------------------------------------
+    # the paper's description: [D] x N0 + ([S(K)] x A*K + [D]) x N1, sized by its
+    # active-equivalent depth N0 + N1 (1 + A); active_layers 0: n_layers blocks
+    # from (stride, capacity) instead, or the explicit layout
+    sparsity: float = 1.0  # K: a sparse block processes the top 1/K of a sequence
+    anchor_stride: float = 1.0  # A: A*K sparse blocks between two anchors
+    dense_prefix: int = 4  # N0: dense blocks before the first stage
+    active_layers: float = 0.0  # N0 + N1 (1 + A)
+    anchors: bool = True  # false: each anchor after the prefix becomes K sparse blocks
+    # aliases of earlier versions: S = A K + 1, c = 1 / K
     stride: int = 1  # S: every S-th block is a dense anchor (S=1: all dense)
     capacity: float = 1.0  # c: fraction of each sequence a sparse block processes
-    layout: str = ""  # explicit per-block layout; empty: derived from (stride, capacity)
+    layout: str = ""  # explicit per-block layout; empty: derived
     gating: str = "variance_scaled"  # logit | sigmoid | variance_scaled
-    balance_coef: float = 0.0  # depth-wise token balancing loss weight (0: off, no cost)
+    gate_scope: str = "block"  # block: x + g (a + f) | ffn: x + a + g f (MoD)
+    # depth-wise token balancing: token_bias (r = sigmoid(s - tau b), b a token's
+    # selections so far in its stage) | cv (squared-CV loss, weight balance_coef) | none
+    balance: str = "token_bias"
+    token_bias_tau: float = 0.5
+    token_bias_step: float = 1.0  # what b grows by at each selection
+    balance_coef: float = 0.0  # weight of the cv balancing loss
     causal_router: str = "bce"  # bce: BCE on router logits | predictor: stop-grad MLP
     causal_coef: float = 1e-2  # weight of the causal-decision BCE loss
     # calibrated: each sparse block's inference threshold routes c of the tokens
@@ -84,19 +104,44 @@ class ModelConfig:
         return self.moe_d_ff if self.moe_d_ff > 0 else self.ffn_dim
 
     @property
+    def depth(self) -> depth.Depth:
+        """The sparse depth with every description filled in: (K, A, N0), (S, c) and
+        the layout, resolved in one place (:func:`xmodlm.depth.resolve`)."""
+        try:
+            return depth.resolve(
+                n_layers=self.n_layers, stride=self.stride, capacity=self.capacity,
+                layout=self.layout, sparsity=self.sparsity, anchor_stride=self.anchor_stride,
+                dense_prefix=self.dense_prefix, active_layers=self.active_layers,
+                anchors=self.anchors, dense="E" if self.mlp == "moe" else "D",
+            )
+        except depth.DepthError as err:
+            raise UserError(str(err)) from None
+
+    @property
     def block_layout(self) -> str:
-        """One letter per block: ``D`` dense/anchor, ``s`` sparse, ``E`` MoE; the explicit
-        ``layout`` if given, else derived from (stride, capacity) by
-        :func:`xmodlm.record.derive_layout`."""
-        if self.layout:
-            return self.layout
-        return record.derive_layout(self.n_layers, self.stride, self.capacity, self.mlp)
+        """One letter per block: ``D`` dense/anchor, ``s`` sparse, ``E`` MoE."""
+        return self.depth.layout
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the model has (``n_layers`` unless the paper's construction sets it)."""
+        return len(self.block_layout)
+
+    @property
+    def token_bias(self) -> float:
+        """tau of the token-choice bias in effect (0: none)."""
+        return self.token_bias_tau if self.balance == "token_bias" else 0.0
+
+    @property
+    def cv_coef(self) -> float:
+        """Weight of the squared-CV balancing loss in effect (0: none)."""
+        return self.balance_coef if self.balance == "cv" else 0.0
 
     @property
     def family(self) -> str:
         """The family name used in run records (:func:`xmodlm.record.family`; derived,
         never branched on in the model)."""
-        return record.family(self.block_layout, self.gating, self.stride)
+        return record.family(self.block_layout, self.gating, self.gate_scope, self.depth)
 
     def validate(self) -> None:
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "context")
@@ -104,10 +149,25 @@ class ModelConfig:
             raise UserError(f"model.capacity={self.capacity}: must be in (0, 1]")
         if self.stride < 1:
             raise UserError(f"model.stride={self.stride}: must be an integer >= 1")
-        if not self.layout and self.n_layers % self.stride != 0:
+        if self.sparsity < 1:
+            raise UserError(f"model.sparsity={self.sparsity}: must be >= 1 (K; 1 is dense)")
+        if self.anchor_stride < 0 or self.active_layers < 0 or self.dense_prefix < 0:
             raise UserError(
-                f"model.n_layers={self.n_layers} is not a multiple of model.stride={self.stride}:"
-                " depth must be a multiple of the anchor stride"
+                "model.anchor_stride, model.active_layers and model.dense_prefix must be >= 0"
+            )
+        if self.token_bias_tau < 0 or self.token_bias_step <= 0:
+            raise UserError(
+                f"model.token_bias_tau={self.token_bias_tau} must be >= 0 and"
+                f" model.token_bias_step={self.token_bias_step} > 0"
+            )
+        _choice(self, "balance", BALANCES)
+        _choice(self, "gate_scope", GATE_SCOPES)
+        resolved = self.depth  # a (K, A, N0) the construction cannot build fails here
+        if resolved.construction == "stride" and self.n_layers % resolved.stride != 0:
+            raise UserError(
+                f"model.n_layers={self.n_layers} is not a multiple of the anchor stride"
+                f" S = A*K + 1 = {resolved.stride}: depth must be a multiple of it (or set"
+                " model.active_layers for the paper's construction)"
             )
         if self.d_model % self.n_heads != 0:
             raise UserError(

@@ -94,7 +94,7 @@ def export_config(
     reads (the architecture resolved here, so the modeling file derives nothing),
     ``xmod`` (the model config, for :func:`load_pretrained`) and the source."""
     from xmodlm import __version__
-    from xmodlm.model.depth_routers import make_kind
+    from xmodlm.depth_routers import make_kind
 
     m = cfg.model
     kind = make_kind(m.causal_router, m.d_model)
@@ -108,12 +108,12 @@ def export_config(
         "vocab_size": m.vocab_size,
         "tokenizer_vocab_size": tokenizer.vocab_size,
         "hidden_size": m.d_model,
-        "num_hidden_layers": m.n_layers,
+        "num_hidden_layers": m.num_blocks,
         "num_attention_heads": m.n_heads,
         "intermediate_size": m.ffn_dim,
         "max_position_embeddings": m.context,
         "layout": m.block_layout,
-        "capacity": m.capacity,
+        "capacity": m.depth.capacity,
         "gating": m.gating,
         "decision": m.causal_router,
         "decision_hidden": getattr(kind, "hidden", 0),

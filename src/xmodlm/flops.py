@@ -9,7 +9,7 @@ Conventions (one for every family, so comparisons are fair):
 * a sparse block runs on k = max(1, round(c T)) tokens per sequence: its linear
   part scales with k/T and its attention with (k/T)^2; the router (2 d) runs on
   every token, and so does its depth-router kind's decision head, if it has one
-  (the kind states its cost: :mod:`xmodlm.model.depth_routers`);
+  (the kind states its cost: :mod:`xmodlm.depth_routers`);
 * an MoE block runs its router (2 d E) on every token and top_k expert MLPs;
 * training = 3 x forward.
 
@@ -29,10 +29,10 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from xmodlm import record
+from xmodlm import depth
 from xmodlm.config import ModelConfig
+from xmodlm.depth_routers import DepthRouterKind, make_kind
 from xmodlm.errors import UserError
-from xmodlm.model.depth_routers import DepthRouterKind, make_kind
 
 
 def capacity_tokens(capacity: float, seq_len: int) -> int:
@@ -44,17 +44,17 @@ def routed_fraction(cfg: ModelConfig, context: int | None = None) -> float:
     """k / T: the fraction of each sequence a sparse block of ``cfg`` processes at
     ``context`` (default: cfg.context), with k rounded as executed."""
     T = context or cfg.context
-    return capacity_tokens(cfg.capacity, T) / T
+    return capacity_tokens(cfg.depth.capacity, T) / T
 
 
 def active_depth(cfg: ModelConfig, context: int | None = None) -> float:
-    """Active-equivalent depth (:func:`xmodlm.record.active_depth`) of ``cfg``'s layout."""
-    return record.active_depth(cfg.block_layout, routed_fraction(cfg, context))
+    """Active-equivalent depth (:func:`xmodlm.depth.active_depth`) of ``cfg``'s layout."""
+    return depth.active_depth(cfg.block_layout, routed_fraction(cfg, context))
 
 
 def expansion_ratio(cfg: ModelConfig, context: int | None = None) -> float:
-    """rho = L / L_active of ``cfg`` (:func:`xmodlm.record.expansion_ratio`)."""
-    return record.expansion_ratio(cfg.block_layout, routed_fraction(cfg, context))
+    """rho = L / L_active of ``cfg`` (:func:`xmodlm.depth.expansion_ratio`)."""
+    return depth.expansion_ratio(cfg.block_layout, routed_fraction(cfg, context))
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def block_flops(cfg: ModelConfig, letter: str, context: int) -> float:
     if letter == "E":
         router = 2 * d * cfg.n_experts
         return linear_attn + 4 * d * T + router + cfg.moe_top_k * 6 * d * cfg.expert_dim
-    k = capacity_tokens(cfg.capacity, T)
+    k = capacity_tokens(cfg.depth.capacity, T)
     return sparse_block_flops(cfg, k / T, k)
 
 
@@ -160,7 +160,7 @@ def kv_bytes_formula(
     layout = cfg.block_layout
     n_sparse = layout.count("s")
     if routed_fraction_per_block is None:
-        fractions = [cfg.capacity] * n_sparse
+        fractions = [cfg.depth.capacity] * n_sparse
     elif isinstance(routed_fraction_per_block, (int, float)):
         fractions = [float(routed_fraction_per_block)] * n_sparse
     else:

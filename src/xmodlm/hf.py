@@ -54,7 +54,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
 MODEL_TYPE = "xmodlm"
-DECISIONS = ("bce", "predictor")  # xmodlm.model.depth_routers kinds this file runs
+DECISIONS = ("bce", "predictor")  # xmodlm.depth_routers kinds this file runs
 GATINGS = ("logit", "sigmoid", "variance_scaled")
 NEUTRAL_GAMMA = 2.0  # gamma * sigmoid(0) = 1
 # bf16 attention over at most this many keys runs in fp32 on a CPU, as xmod-lm's does

@@ -73,7 +73,7 @@ def model_card(run: Path, cfg: Config, model: Any, config: dict[str, Any]) -> st
         "",
         *_table([
             ("layout (D dense, s sparse, E MoE)", f"`{m.block_layout}`"),
-            ("blocks", m.n_layers), ("width", m.d_model), ("heads", m.n_heads),
+            ("blocks", m.num_blocks), ("width", m.d_model), ("heads", m.n_heads),
             ("MLP width", m.ffn_dim if "E" not in m.block_layout else
              f"{m.n_experts} experts of {m.expert_dim}, top {m.moe_top_k}"),
             ("context", m.context), ("vocabulary", f"{m.vocab_size} (tokenizer"
@@ -120,8 +120,9 @@ def _routing(model: Any, cfg: Config) -> list[str]:
     return [
         "## Routing",
         "",
-        f"Every {m.stride}th block is a dense anchor; each sparse (`s`) block processes a",
-        f"fraction c = {m.capacity:g} of the tokens in training (expert-choice top-k over",
+        f"Sparsity K = {m.depth.sparsity:g}, anchor stride A = {m.depth.anchor_stride:g},"
+        f" dense prefix N0 = {m.depth.dense_prefix}: each sparse (`s`) block processes a",
+        f"fraction 1/K = {m.depth.capacity:g} of the tokens in training (expert-choice top-k over",
         "the sequence). Top-k reads future tokens, so at inference each token is routed",
         "by a causal decision from that token alone: its decision logit"
         f" (`{m.causal_router}`) above the block's threshold.",

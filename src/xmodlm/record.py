@@ -2,22 +2,19 @@
 
 Every finished run writes ``summary.json``; ``xmod sweep`` turns summaries into
 ``results.csv`` rows; the law and the report read those rows. The columns, the
-derived block layout, the family a layout belongs to, the rule for "is this run
-sparse?", the expansion ratio rho and the mapping of a config plus its counts to
-a row are defined here once: the config derives its layout and family here, the
-trainer's summary, the results table's row for a failed run and the sweep's plan
-all take their columns from :func:`config_row`, and the law, the report and the
-FLOP count all take rho from :func:`expansion_ratio`. Plain Python, no torch.
+family a layout belongs to, the rule for "is this run sparse?" and the mapping of
+a config plus its counts to a row are defined here once: the config derives its
+family here, and the trainer's summary, the results table's row for a failed run
+and the sweep's plan all take their columns from :func:`config_row`. The layout
+itself, active depth and rho come from :mod:`xmodlm.depth`. Plain Python, no torch.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the config imports this module: names only, for the annotations
-    from xmodlm.config import ModelConfig
-    from xmodlm.flops import Counts
+from xmodlm import depth
 
 # What the law needs of every run (DESIGN 5), in this order.
 RUN_COLUMNS = (
@@ -31,7 +28,7 @@ RUN_COLUMNS = (
 # another CPU kind, dtype or compile mode is another draw (0.037 nats apart, measured).
 PAIRING_COLUMNS = ("cpu_kind", "dtype", "compile")
 EXTRA_COLUMNS = (
-    "run_id", "val_loss_causal", "routing_agreement", "wall_s",
+    "sparsity", "anchor_stride", "dense_prefix", "balance", "token_bias_tau", "run_id", "val_loss_causal", "routing_agreement", "wall_s",
     "steps", "batch_tokens", "lr", "warmup_steps", "epochs", "layout", "commit", "error",
     *PAIRING_COLUMNS,
 )
@@ -68,9 +65,11 @@ def eval_columns(result: dict[str, Any]) -> dict[str, Any]:
 # The original Mixture-of-Depths recipe (DESIGN 6): one routed block per pair,
 # 12.5% capacity, the raw router logit as the gate, no depth-wise balancing.
 MOD_RECIPE: dict[str, Any] = {
-    "stride": 2, "capacity": 0.125, "gating": "logit", "balance_coef": 0.0,
+    "stride": 2, "capacity": 0.125, "gating": "logit", "balance": "none", "balance_coef": 0.0,
 }
-XMOD_DEFAULTS: dict[str, Any] = {"gating": "variance_scaled", "balance_coef": 1e-2}
+# the X-MoD of the (S, c) sweeps: the squared-CV balancing loss, not the token bias
+XMOD_DEFAULTS: dict[str, Any] = {"gating": "variance_scaled", "balance": "cv",
+                                 "balance_coef": 1e-2}
 MOE_DEFAULTS: dict[str, Any] = {"n_experts": 8, "moe_top_k": 2}
 
 
@@ -83,31 +82,17 @@ def moe_expert_dim(ffn_dim: int, top_k: int) -> int:
 DENSE = "dense"  # the family every other one is FLOP-matched and compared against
 
 
-def routes(stride: int, capacity: float) -> bool:
-    """Whether the derived layout has sparse blocks: an anchor stride above one and a
-    capacity below one (otherwise every block is dense)."""
-    return stride > 1 and capacity < 1
-
-
-def derive_layout(n_layers: int, stride: int, capacity: float, mlp: str = "swiglu") -> str:
-    """The per-block layout of (depth, stride, capacity, MLP): ``D`` dense/anchor, ``s``
-    sparse, ``E`` MoE. Block 0 is always an anchor, so every token sees one full block
-    before any routing decision; then every S-th block is an anchor."""
-    dense = "E" if mlp == "moe" else "D"
-    if not routes(stride, capacity):
-        return dense * n_layers
-    return "".join(dense if i % stride == 0 else "s" for i in range(n_layers))
-
-
-def family(layout: str, gating: str, stride: int) -> str:
+def family(layout: str, gating: str, stride: int, gate_scope: str = "block") -> str:
     """The family name a run records, from its layout: ``moe`` with an MoE block,
-    ``dense`` without a sparse one, ``mod`` on the Mixture-of-Depths recipe's stride
-    and gate, else ``xmod``. A label for tables, never branched on in the model."""
+    ``dense`` without a sparse one, ``mod`` with one sparse block per stage (S = 2,
+    A K = 1) under a Mixture-of-Depths gate (the raw logit on the whole block, or the
+    paper's Eq. 6 gate on the FFN only), else ``xmod``. A label for tables, never
+    branched on in the model."""
     if "E" in layout:
         return "moe"
     if "s" not in layout:
         return DENSE
-    if gating == MOD_RECIPE["gating"] and stride == MOD_RECIPE["stride"]:
+    if stride == MOD_RECIPE["stride"] and (gating == MOD_RECIPE["gating"] or gate_scope == "ffn"):
         return "mod"
     return "xmod"
 
@@ -120,10 +105,10 @@ def is_dense(family_name: Any) -> Any:
 
 def is_sparse(stride: int, capacity: float, layout: str | None = None) -> bool:
     """A run is sparse when some block routes: its layout has an ``s``; without a
-    recorded layout, when its derived layout would have one (:func:`routes`)."""
+    recorded layout, when its derived layout would have one (:func:`depth.routes`)."""
     if layout:
         return "s" in layout
-    return routes(stride, capacity)
+    return depth.routes(stride, capacity)
 
 
 def first_anchor_only(layout: str, stride: int) -> bool:
@@ -132,33 +117,27 @@ def first_anchor_only(layout: str, stride: int) -> bool:
     return layout.startswith("D") and set(layout[1:]) == {"s"} and stride < len(layout)
 
 
-def active_depth(layout: str, fraction: float) -> float:
-    """Active-equivalent depth: anchors (and MoE blocks) count 1, a sparse block the
-    ``fraction`` of tokens it processes (k / T as executed: :func:`xmodlm.flops.active_depth`)."""
-    n_sparse = layout.count("s")
-    return (len(layout) - n_sparse) + fraction * n_sparse
-
-
-def expansion_ratio(layout: str, fraction: float) -> float:
-    """rho = L / L_active of a layout whose sparse blocks process ``fraction`` of the
-    tokens. For the derived layout this is S / (1 + c (S - 1)) at any depth that is a
-    multiple of S; an explicit layout (the anchors ablation) has its own."""
-    return len(layout) / active_depth(layout, fraction)
-
-
-def config_row(model: ModelConfig, counts: Counts) -> dict[str, Any]:
-    """The columns a run's configuration and its analytic counts fill in a results row
-    (and in ``summary.json``, the sweep's plan, a failed run's row), in one order."""
+def config_row(model: Any, counts: Any) -> dict[str, Any]:
+    """The columns a run's configuration (a ``ModelConfig``) and its analytic counts
+    (``flops.Counts``) fill in a results row (and in ``summary.json``, the sweep's
+    plan, a failed run's row), in one order. Both descriptions of the sparse depth
+    are recorded, resolved: (K, A, N0) and (S, c)."""
+    d = model.depth
     return {
         "family": model.family,
         "width": model.d_model,
-        "n_layers": model.n_layers,
-        "stride": model.stride,
-        "capacity": model.capacity,
+        "n_layers": len(d.layout),
+        "stride": d.stride,
+        "capacity": d.capacity,
+        "sparsity": d.sparsity,
+        "anchor_stride": d.anchor_stride,
+        "dense_prefix": d.dense_prefix,
         "context": model.context,
         "gating": model.gating,
+        "balance": model.balance if "s" in d.layout else "none",
         "balance_coef": model.balance_coef,
-        "layout": model.block_layout,
+        "token_bias_tau": model.token_bias,
+        "layout": d.layout,
         "params_total": counts.params_total,
         "params_non_embedding": counts.params_non_embedding,
         "params_active": counts.params_active,

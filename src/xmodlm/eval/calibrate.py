@@ -98,7 +98,7 @@ def calibrate_run(
         "rule_before": before,
         "rule": model.threshold_rule(),
         "thresholds": thresholds,
-        "capacity": cfg.model.capacity,
+        "capacity": cfg.model.depth.capacity,
         "split": "train",
         "tokens": int(windows.numel()),
         "dtype": dtype,

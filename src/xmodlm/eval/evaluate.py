@@ -113,7 +113,7 @@ def evaluate_run(
         "val_bpb_causal": ev["val_bpb_causal"],
         "routing_agreement": ev.get("routing_agreement"),
         "capacity_causal": ev.get("capacity_causal", []),
-        "capacity_target": cfg.model.capacity if "s" in model.layout else None,
+        "capacity_target": cfg.model.depth.capacity if "s" in model.layout else None,
     }
     if split != "val":  # the val_* keys are kept for readers of earlier results
         for key in ("loss_topk", "loss_causal", "bpb", "bpb_causal"):

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from xmodlm import flops, record
+from xmodlm import depth, flops, record
 from xmodlm.config import ModelConfig
 from xmodlm.errors import UserError
 from xmodlm.law import delta, dense
@@ -36,7 +36,7 @@ def _model(
 ) -> tuple[ModelConfig, flops.Counts]:
     """The dense ladder model at ``width``, FLOP-matched to (stride, capacity) when sparse."""
     cfg = dense_config(width, context, vocab)
-    if record.routes(stride, capacity):
+    if depth.routes(stride, capacity):
         cfg, _ = flops.flop_match(cfg, stride, capacity)
     return cfg, flops.count(cfg)
 

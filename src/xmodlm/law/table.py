@@ -15,7 +15,7 @@ Derived columns added to the frame:
 * ``is_sparse``: some block routes (:func:`xmodlm.record.is_sparse`: the recorded
   layout has an ``s``; without one, stride > 1 and capacity < 1);
 * ``rho``: the sparse expansion ratio L / L_active of the recorded layout, else of the
-  derived one, where it is S / (1 + c (S - 1)) (:func:`xmodlm.record.expansion_ratio`);
+  derived one, where it is S / (1 + c (S - 1)) (:func:`xmodlm.depth.expansion_ratio`);
 * ``tier``: the compute tier, log10(C) rounded to the nearest quarter decade, so a
   sweep's budgets (1e15, 3e15, 1e16 ...) group together despite small drift;
 * ``variant``: the family with its mechanism settings (``xmod``,
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from xmodlm import record
+from xmodlm import depth, record
 from xmodlm.errors import UserError
 from xmodlm.flops import capacity_tokens
 
@@ -252,15 +252,15 @@ def _variants(frame: pd.DataFrame) -> pd.Series:
 
 
 def _expansion_ratios(frame: pd.DataFrame, layouts: Sequence[str]) -> list[float]:
-    """Each run's rho (:func:`xmodlm.record.expansion_ratio`) from its recorded layout,
+    """Each run's rho (:func:`xmodlm.depth.expansion_ratio`) from its recorded layout,
     else from the layout its stride and capacity derive (one period: the ratio of a
     derived layout does not depend on depth), with k rounded as the model executes it
     where the context is recorded, so that the law's rho is the FLOP count's."""
     out = []
     for s, c, T, lay in zip(frame["stride"], frame["capacity"], frame["context"], layouts,
                             strict=True):
-        layout = lay or record.derive_layout(s, s, c)
-        out.append(record.expansion_ratio(layout, capacity_tokens(c, T) / T if T else c))
+        layout = lay or depth.legacy_layout(s, s, c)
+        out.append(depth.expansion_ratio(layout, capacity_tokens(c, T) / T if T else c))
     return out
 
 

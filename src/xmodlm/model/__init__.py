@@ -1,8 +1,7 @@
 """The X-MoD model family: one transformer built from a layout string.
 
-The package loads lazily: :mod:`xmodlm.model.depth_routers` (the depth-router
-kinds, whose costs FLOP accounting reads) imports no torch, so importing it must
-not pull in the transformer.
+The package loads lazily, so that importing one module of it does not pull in
+the whole transformer.
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ class RoutedBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.block = Block(cfg)
-        self.capacity = cfg.capacity
+        self.capacity = cfg.depth.capacity
         self.gating = cfg.gating
         self.router = DepthRouter(cfg.d_model, cfg.causal_router, cfg.causal_threshold)
         self.aux_weights = {"causal_bce": cfg.causal_coef}  # see DenseBlock

@@ -3,7 +3,7 @@
 The router logit r = x . w (fp32) ranks a sequence's tokens for top-k in training
 and feeds the gate. At inference a token is processed iff its *decision logit*
 exceeds the block's threshold; what the decision logit is (the router's own
-logit, a predictor's...) is the router's kind (:mod:`xmodlm.model.depth_routers`),
+logit, a predictor's...) is the router's kind (:mod:`xmodlm.depth_routers`),
 which also says what weights it adds, how they decay and what they cost.
 
 The threshold rule (``model.causal_threshold``):
@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from xmodlm.config import CAUSAL_THRESHOLDS
+from xmodlm.depth_routers import DepthRouterKind, make_kind
 from xmodlm.model import routing
-from xmodlm.model.depth_routers import DepthRouterKind, make_kind
 
 
 class DepthRouter(nn.Module):

@@ -260,7 +260,7 @@ class KVCache:
             sparse = letter == "s"
             cap = max_len
             if sparse and sparse_alloc == "expected":
-                cap = sparse_initial_capacity(cfg.capacity, max_len, slack)
+                cap = sparse_initial_capacity(cfg.depth.capacity, max_len, slack)
             self.blocks.append(
                 BlockCache(batch, cfg.n_heads, cfg.head_dim, cap, max_len, sparse, dtype, device)
             )

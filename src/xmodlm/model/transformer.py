@@ -120,7 +120,7 @@ class Transformer(nn.Module):
         if not routed:
             return []
         T = self.cfg.context
-        if capacity_tokens(self.cfg.capacity, T) == T:
+        if capacity_tokens(self.cfg.depth.capacity, T) == T:
             gamma = routing.NEUTRAL_GAMMA
         else:
             param = next(self.parameters())

@@ -25,7 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from xmodlm import record
+from xmodlm import depth
 from xmodlm.fileio import atomic_savefig
 from xmodlm.law import dense
 from xmodlm.law.delta import Features
@@ -135,7 +135,7 @@ def _delta(fit: LawFit, frame: pd.DataFrame) -> Figure:
                     "params_active": runs["params_active"].median(),
                 }
             )
-            curve["rho"] = [record.expansion_ratio(record.derive_layout(s, s, ci), ci) for ci in c]
+            curve["rho"] = [depth.expansion_ratio(depth.legacy_layout(s, s, ci), ci) for ci in c]
             ax.plot(
                 curve["rho"],
                 law.spec.predict(law.value, Features.of(curve, fit.reference)),

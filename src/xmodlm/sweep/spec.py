@@ -117,7 +117,7 @@ class RunSpec:
         m = self.cfg.model
         c = flops.count(m)
         row = record.config_row(m, c)
-        if not record.is_sparse(m.stride, m.capacity, row["layout"]):
+        if not record.is_sparse(m.depth.stride, m.depth.capacity, row["layout"]):
             row["gating"] = "-"
         return {
             "id": self.run_id,
@@ -401,7 +401,26 @@ def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
 # runs before them did in training: hashed only when set otherwise, so that a new
 # field never renames (and so reruns) the runs of a committed sweep.
 # model.causal_threshold changes only how a trained model routes at inference.
-ID_NEUTRAL = {("model", "causal_threshold"): "calibrated"}
+ID_NEUTRAL = {
+    ("model", "causal_threshold"): "calibrated",
+    # the paper's (K, A, N0) construction: unused while active_layers is 0
+    ("model", "sparsity"): 1.0, ("model", "anchor_stride"): 1.0, ("model", "dense_prefix"): 4,
+    ("model", "active_layers"): 0.0, ("model", "anchors"): True, ("model", "gate_scope"): "block",
+}
+
+
+def _balance_neutral(model: dict[str, Any], sparse: bool) -> list[str]:
+    """The balancing keys that say nothing runs before them did not: all of them in a
+    model with no sparse block; ``balance`` where it trains what ``balance_coef``
+    alone meant then (the cv loss at that weight; none at 0); the token-bias settings
+    wherever the token bias is not in use."""
+    bias = ["token_bias_tau", "token_bias_step"]
+    if not sparse:
+        return ["balance", *bias]
+    balance, coef = model.get("balance"), model.get("balance_coef", 0.0)
+    if balance == "token_bias":
+        return []
+    return bias + (["balance"] if balance == "cv" or coef == 0 else [])
 
 
 def run_id(cfg: Config) -> str:
@@ -411,6 +430,8 @@ def run_id(cfg: Config) -> str:
     for (section, key), neutral in ID_NEUTRAL.items():
         if raw[section].get(key) == neutral:
             del raw[section][key]
+    for key in _balance_neutral(raw["model"], "s" in cfg.model.block_layout):
+        raw["model"].pop(key, None)
     return hashlib.sha1(yaml.safe_dump(raw, sort_keys=False).encode()).hexdigest()[:12]
 
 

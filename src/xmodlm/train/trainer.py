@@ -469,7 +469,7 @@ def _echo(
     compile_ = t.compile if t.compile != "auto" else f"auto ({'on' if device.type == 'cuda' else 'off'})"
     return (
         f"{cfg.name}: {start} -> {budget.total_steps} steps ({budget.source}),"
-        f" layout {m.block_layout} (d {m.d_model}, S {m.stride}, c {m.capacity:g}, T {m.context}),"
+        f" layout {m.block_layout} (d {m.d_model}, K {m.depth.sparsity:g}, A {m.depth.anchor_stride:g}, T {m.context}),"
         f" {counts.params_total / 1e6:.3g}M params ({counts.params_active / 1e6:.3g}M active),"
         f" {budget.tokens_per_step} tokens/step, lr {t.lr:g} {t.schedule}, seed {t.seed},"
         f" {device} x{ddp.world_size} {dtype}, compile {compile_}, run {run}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from xmodlm.model.depth_routers import DepthRouterKind
+from xmodlm.depth_routers import DepthRouterKind
 
 if TYPE_CHECKING:
     from torch import Tensor
