@@ -287,7 +287,7 @@ def test_moe_graph_breaks_only_at_its_dispatch() -> None:
 
 
 def test_aux_losses_and_stats_come_back_from_forward() -> None:
-    cfg = tiny_model_cfg(n_layers=8, stride=4, capacity=0.25, balance_coef=0.01)
+    cfg = tiny_model_cfg(n_layers=8, stride=4, capacity=0.25, balance="cv", balance_coef=0.01)
     model = Transformer(cfg)
     x = _tokens(cfg)
     out = model(x, x, return_stats=True)
@@ -299,7 +299,7 @@ def test_aux_losses_and_stats_come_back_from_forward() -> None:
     assert all(abs(c - 0.25) < 1e-6 for c in s["capacity_used"])
     assert 0.0 <= s["agreement_mean"] <= 1.0
     # balancing off costs nothing: the term is not even computed
-    cfg_off = tiny_model_cfg(n_layers=8, stride=4, capacity=0.25, balance_coef=0.0)
+    cfg_off = tiny_model_cfg(n_layers=8, stride=4, capacity=0.25, balance="cv", balance_coef=0.0)
     assert "balance" not in Transformer(cfg_off)(x, x).aux
 
 

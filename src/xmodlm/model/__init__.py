@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from xmodlm.flops import active_depth
-    from xmodlm.model.transformer import ModelOutput, Transformer, stride_windows
+    from xmodlm.model.transformer import ModelOutput, Transformer
 
-__all__ = ["ModelOutput", "Transformer", "active_depth", "stride_windows"]
+__all__ = ["ModelOutput", "Transformer", "active_depth"]
 
 
 def __getattr__(name: str) -> Any:

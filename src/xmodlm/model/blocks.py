@@ -50,8 +50,21 @@ class Block(nn.Module):
         mask_BTT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Branch output f = block(x) - x, and the MLP's auxiliary losses (MoE only)."""
-        h = self.attn(self.norm1(x_BTD, matmul_dtype(x_BTD)), cos, sin, mask_BTT)
-        return self.mlp_branch(x_BTD + h, h)
+        a, m, aux = self.branch_parts(x_BTD, cos, sin, mask_BTT)
+        return a + m, aux
+
+    def branch_parts(
+        self,
+        x_BTD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask_BTT: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The branch as its two residual contributions (a, f): attention and MLP (a
+        gate may scale them apart, as MoD's does), and the MLP's auxiliary losses."""
+        a = self.attn(self.norm1(x_BTD, matmul_dtype(x_BTD)), cos, sin, mask_BTT)
+        m, aux = self.mlp_out(x_BTD + a)
+        return a, m, aux
 
     def branch_with(
         self,
@@ -59,24 +72,25 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The branch with attention supplied by the caller: (f, k, v).
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The branch with attention supplied by the caller: (a, f, k, v), its
+        attention and MLP contributions and the keys and values.
 
         ``attend(q, k, v)`` gets this block's rotated queries, keys and values
         (B, H, T, hd) and returns the attention output; incremental decoding uses it
         to attend over cached keys, and stores the returned ``k``, ``v``.
         """
         q, k, v = self.attn.project_qkv(self.norm1(x_BTD, matmul_dtype(x_BTD)), cos, sin)
-        h = self.attn.output(attend(q, k, v))
-        f, _ = self.mlp_branch(x_BTD + h, h)
-        return f, k, v
+        a = self.attn.output(attend(q, k, v))
+        m, _ = self.mlp_out(x_BTD + a)
+        return a, m, k, v
 
     def cached_branch(
         self, x_B1D: torch.Tensor, step: DecodeStep, cache: BlockCache,
         rows: list[int] | None = None, rows_R: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The branch of one new token per sequence, attending over the cached keys
-        (which it appends to); ``rows``: the sequences (of the batch) these are."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The branch (a, f) of one new token per sequence, attending over the cached
+        keys (which it appends to); ``rows``: the sequences (of the batch) these are."""
         pos_B, cos, sin = step.pos_B, step.cos, step.sin
         if rows_R is not None:
             pos_B, cos, sin = pos_B[rows_R], cos[rows_R], sin[rows_R]
@@ -85,16 +99,13 @@ class Block(nn.Module):
             keys, values, mask = cache.step(k, v, pos_B, rows, rows_R)
             return attention(q, keys, values, mask)
 
-        return self.branch_with(x_B1D, cos, sin, attend)[0]
+        return self.branch_with(x_B1D, cos, sin, attend)[:2]
 
-    def mlp_branch(
-        self, x_BTD: torch.Tensor, h: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Second half of the branch, given the post-attention stream x + h."""
+    def mlp_out(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The MLP's contribution f, given the post-attention stream x + a."""
         if isinstance(self.mlp, MoEMLP):  # its router reads the norm's output in fp32
-            m, aux = self.mlp(self.norm2(x_BTD))
-            return h + m, aux
-        return h + self.mlp(self.norm2(x_BTD, matmul_dtype(x_BTD))), {}
+            return self.mlp(self.norm2(x_BTD))
+        return self.mlp(self.norm2(x_BTD, matmul_dtype(x_BTD))), {}
 
 
 @dataclass
@@ -159,23 +170,25 @@ class DenseBlock(nn.Module):
 
     def prefill(self, x_BTD: torch.Tensor, prompts: Prompts, cache: BlockCache) -> torch.Tensor:
         """Every prompt token through the block; keys and values of real tokens cached."""
-        f, k, v = self.block.branch_with(
+        a, f, k, v = self.block.branch_with(
             x_BTD, prompts.cos, prompts.sin, lambda q, k, v: attention(q, k, v, causal=True)
         )
         B, T = prompts.valid_BT.shape
         cache.prefill(k, v, prompts.pos_T.expand(B, T), prompts.lens, prompts.lens_B)
-        return x_BTD + f
+        return x_BTD + (a + f)
 
     def step(self, x_B1D: torch.Tensor, step: DecodeStep, cache: BlockCache) -> torch.Tensor:
-        return x_B1D + self.block.cached_branch(x_B1D, step, cache)
+        a, f = self.block.cached_branch(x_B1D, step, cache)
+        return x_B1D + (a + f)
 
 
 class RoutedBlock(nn.Module):
-    """A sparse (``s``) block: processes only k = round(c T) tokens per sequence.
+    """A sparse (``s``) block: processes only k = round(L / K) tokens per sequence.
 
-    ``mode="topk"`` (training): expert-choice top-k of the router logits, gathered
-    in causal order with their original rotary positions, block run on the k
-    tokens only, gated branch scattered back.
+    ``mode="topk"`` (training): expert-choice top-k of the router logits (less the
+    token-choice bias, :class:`routing.TokenBias`), gathered in causal order with
+    their original rotary positions, block run on the k tokens only, gated branch
+    scattered back.
 
     ``mode="causal"`` (inference): a token is processed iff its router's causal
     decision says so (:class:`~xmodlm.model.depth_router.DepthRouter`). The number
@@ -183,6 +196,10 @@ class RoutedBlock(nn.Module):
     with attention restricted to the selected keys and discards unselected
     outputs. It gives exactly what token-by-token decoding computes and also
     serves as the reference implementation that the gather path is tested against.
+
+    The gate multiplies the whole routed residual, ``x + g (a + f)`` (``gate_scope``
+    block: the paper's X-MoD, Eq. 7), or the MLP's alone, ``x + a + g f`` (ffn: the
+    paper's MoD baseline, Eq. 6).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -190,6 +207,7 @@ class RoutedBlock(nn.Module):
         self.block = Block(cfg)
         self.capacity = cfg.depth.capacity
         self.gating = cfg.gating
+        self.ffn_only = cfg.gate_scope == "ffn"
         self.router = DepthRouter(cfg.d_model, cfg.causal_router, cfg.causal_threshold)
         self.aux_weights = {"causal_bce": cfg.causal_coef}  # see DenseBlock
         self.gamma: nn.Parameter | None = None
@@ -202,6 +220,11 @@ class RoutedBlock(nn.Module):
     def gate(self, r: torch.Tensor) -> torch.Tensor:
         return routing.gate(r, self.gating, self.gamma)
 
+    def gated(self, g: torch.Tensor, a: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """The routed residual update of tokens with gate ``g`` (one value per token)."""
+        g = g.unsqueeze(-1)
+        return a + g * f if self.ffn_only else g * (a + f)
+
     def forward(
         self,
         x_BTD: torch.Tensor,
@@ -209,29 +232,35 @@ class RoutedBlock(nn.Module):
         pos_T: torch.Tensor,
         mode: str,
         rot: tuple[torch.Tensor, torch.Tensor] | None = None,
+        shift_BT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, BlockOutput]:
-        """``rot``: the (cos, sin) tables at ``pos_T``, when the caller computed them once."""
+        """``rot``: the (cos, sin) tables at ``pos_T``, when the caller computed them once;
+        ``shift_BT``: the token-choice bias tau b of each token (None: 0)."""
         B, T, _ = x_BTD.shape
         if mode == "topk":
             # router, top-k and gather in one autograd node (router_logits' numbers)
             k = capacity_tokens(self.capacity, T)
-            r_BT, idx_BK, x_BKD = routing.route(x_BTD, self.router.weight, k)
-            d_BT = self.router.decision_logits(x_BTD, r_BT)
+            r_BT, idx_BK, x_BKD = routing.route(x_BTD, self.router.weight, k, shift_BT=shift_BT)
+            d_BT = self.router.decision_logits(x_BTD, r_BT, shift_BT)
             causal_BT = self.router.decide(d_BT)
             topk_BT = routing.selection_mask(idx_BK, T)
             cos_T, sin_T = rope(pos_T) if rot is None else rot
-            f_BKD, _ = self.block.branch(x_BKD, cos_T[idx_BK], sin_T[idx_BK])
+            a_BKD, f_BKD, _ = self.block.branch_parts(x_BKD, cos_T[idx_BK], sin_T[idx_BK])
+            if self.ffn_only:  # x + a + g f: attention in ungated, the MLP through the gate
+                x_BTD = routing.scatter_add_tokens(x_BTD, idx_BK, a_BKD)
+            else:
+                f_BKD = a_BKD + f_BKD
             x_BTD = routing.gated_scatter(x_BTD, f_BKD, r_BT, idx_BK, self.gating, self.gamma)
             processed = topk_BT
         elif mode == "causal":
-            r_BT = self.router.logits(x_BTD)
-            causal_BT = self.router.route(x_BTD, r_BT)
+            r_BT = self._logits(x_BTD, shift_BT)
+            causal_BT = self.router.route(x_BTD, r_BT, shift_BT)
             topk_BT = None
             x_BTD = self.masked_forward(x_BTD, r_BT, causal_BT, rope, pos_T)
             processed = causal_BT
         elif mode == "calibrate":  # fit the threshold to this batch, then route by it
-            r_BT = self.router.logits(x_BTD)
-            d_BT = self.router.decision_logits(x_BTD, r_BT)
+            r_BT = self._logits(x_BTD, shift_BT)
+            d_BT = self.router.decision_logits(x_BTD, r_BT, shift_BT)
             self.router.calibrate_(d_BT, capacity_tokens(self.capacity, T) / T)
             causal_BT = routing.causal_decision(d_BT, self.router.threshold)
             topk_BT = None
@@ -245,12 +274,21 @@ class RoutedBlock(nn.Module):
         out = BlockOutput(aux, r_BT, topk_BT, causal_BT, processed)
         return x_BTD, out
 
-    def prefill(self, x_BTD: torch.Tensor, prompts: Prompts, cache: BlockCache) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+        """Router logits less the token-choice bias, if any."""
+        r = self.router.logits(x)
+        return r if shift is None else r - shift
+
+    def prefill(
+        self, x_BTD: torch.Tensor, prompts: Prompts, cache: BlockCache,
+        shift_BT: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed prompt tokens only (causal decision, never padding), gathered per
-        sequence in causal order at their own positions; their keys and values cached."""
-        r_BT = self.router.logits(x_BTD)
-        sel_BT = self.router.route(x_BTD, r_BT) & prompts.valid_BT
-        return self.ragged_forward(x_BTD, r_BT, sel_BT, prompts.rope, cache)
+        sequence in causal order at their own positions; their keys and values cached.
+        Returns the stream and the tokens routed (for the token-choice bias)."""
+        r_BT = self._logits(x_BTD, shift_BT)
+        sel_BT = self.router.route(x_BTD, r_BT, shift_BT) & prompts.valid_BT
+        return self.ragged_forward(x_BTD, r_BT, sel_BT, prompts.rope, cache), sel_BT
 
     def ragged_forward(
         self,
@@ -281,36 +319,42 @@ class RoutedBlock(nn.Module):
             mask = routing.routed_attention_mask(valid_BK).unsqueeze(1)
         x_BKD = routing.gather_tokens(x_BTD, idx_BK)
         cos, sin = rope(idx_BK)
-        f_BKD, k, v = self.block.branch_with(
+        a_BKD, f_BKD, k, v = self.block.branch_with(
             x_BKD, cos, sin, lambda q, k, v: attention(q, k, v, mask, causal=True)
         )
-        g_BK = self.gate(torch.gather(r_BT, 1, idx_BK)) * valid_BK
+        g_BK = self.gate(torch.gather(r_BT, 1, idx_BK))
+        update_BKD = self.gated(g_BK, a_BKD, f_BKD) * valid_BK.unsqueeze(-1)
         if cache is not None:
             cache.prefill(k, v, idx_BK, counts, counts_B)
-        return routing.scatter_add_tokens(x_BTD, idx_BK, g_BK.unsqueeze(-1) * f_BKD)
+        return routing.scatter_add_tokens(x_BTD, idx_BK, update_BKD)
 
-    def step(self, x_B1D: torch.Tensor, step: DecodeStep, cache: BlockCache) -> torch.Tensor:
+    def step(
+        self, x_B1D: torch.Tensor, step: DecodeStep, cache: BlockCache,
+        shift_B1: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[bool]]:
         """The new tokens whose causal decision routes them (one host sync to know
-        which); the block is skipped when none does, and runs on just those rows."""
-        r_B1 = self.router.logits(x_B1D)
-        return self.step_decided(x_B1D, step, cache, r_B1, self.router.route(x_B1D, r_B1)[:, 0].tolist())
+        which); the block is skipped when none does, and runs on just those rows.
+        Returns the stream and each sequence's decision (for the token-choice bias)."""
+        r_B1 = self._logits(x_B1D, shift_B1)
+        sel = self.router.route(x_B1D, r_B1, shift_B1)[:, 0].tolist()
+        return self.step_decided(x_B1D, step, cache, r_B1, sel), sel
 
     def step_decided(
         self, x_B1D: torch.Tensor, step: DecodeStep, cache: BlockCache,
         r_B1: torch.Tensor, sel: list[bool],
     ) -> torch.Tensor:
-        """:meth:`step` with the router logits and decisions already known (a decoder
-        that scored a run of sparse blocks at once: ``Decoder``)."""
+        """:meth:`step` with the router logits (bias subtracted) and decisions already
+        known (a decoder that scored a run of sparse blocks at once: ``Decoder``)."""
         if all(sel):
-            f = self.block.cached_branch(x_B1D, step, cache)
-            return x_B1D + (self.gate(r_B1).unsqueeze(-1) * f).to(x_B1D.dtype)
+            a, f = self.block.cached_branch(x_B1D, step, cache)
+            return x_B1D + self.gated(self.gate(r_B1), a, f).to(x_B1D.dtype)
         if not any(sel):
             return x_B1D
         rows = [b for b, s in enumerate(sel) if s]
         rows_R = torch.tensor(rows, dtype=torch.long, device=x_B1D.device)
-        f = self.block.cached_branch(x_B1D[rows_R], step, cache, rows, rows_R)
-        g_R11 = self.gate(r_B1[rows_R]).unsqueeze(-1)
-        return x_B1D.index_add(0, rows_R, (g_R11 * f).to(x_B1D.dtype))
+        a, f = self.block.cached_branch(x_B1D[rows_R], step, cache, rows, rows_R)
+        update = self.gated(self.gate(r_B1[rows_R]), a, f)
+        return x_B1D.index_add(0, rows_R, update.to(x_B1D.dtype))
 
     def masked_forward(
         self,
@@ -323,9 +367,9 @@ class RoutedBlock(nn.Module):
         """Reference path: full-length compute, attention over selected keys only."""
         mask_BTT = routing.routed_attention_mask(sel_BT)
         cos, sin = rope(pos_T)
-        f_BTD, _ = self.block.branch(x_BTD, cos, sin, mask_BTT)
-        g_BT = self.gate(r_BT) * sel_BT
-        return x_BTD + (g_BT.unsqueeze(-1) * f_BTD).to(x_BTD.dtype)
+        a_BTD, f_BTD, _ = self.block.branch_parts(x_BTD, cos, sin, mask_BTT)
+        update_BTD = self.gated(self.gate(r_BT), a_BTD, f_BTD) * sel_BT.unsqueeze(-1)
+        return x_BTD + update_BTD.to(x_BTD.dtype)
 
 
 def _upgrade_router_state(

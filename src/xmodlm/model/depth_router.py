@@ -53,10 +53,18 @@ class DepthRouter(nn.Module):
         """r = x . w in fp32, whatever the autocast dtype (:func:`routing.router_logits`)."""
         return routing.router_logits(x_BTD, self.weight)
 
-    def decision_logits(self, x_BTD: torch.Tensor, r_BT: torch.Tensor) -> torch.Tensor:
-        """The kind's (B, T) decision logit, in fp32."""
+    def decision_logits(
+        self, x_BTD: torch.Tensor, r_BT: torch.Tensor, shift_BT: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The kind's (B, T) decision logit, in fp32. ``r_BT`` already carries the
+        token-choice bias ``shift_BT`` (:class:`routing.TokenBias`); a kind that
+        decides by a head of its own gets the same bias subtracted, so that the
+        causal decision learns the biased top-k and meets the same bias at inference."""
         with routing.fp32_region(x_BTD):
-            return self.kind.decision_logits(self.head, x_BTD, r_BT)
+            d_BT = self.kind.decision_logits(self.head, x_BTD, r_BT)
+        if shift_BT is not None and not self.kind.decides_by_router_logit:
+            d_BT = d_BT - shift_BT
+        return d_BT
 
     def decide(self, d_BT: torch.Tensor) -> torch.Tensor:
         """The causal decision from decision logits: above the rule's threshold."""
@@ -66,10 +74,15 @@ class DepthRouter(nn.Module):
         """The threshold the rule in effect compares decision logits with."""
         return self.threshold if self.rule == "calibrated" else 0.0
 
-    def route(self, x_BTD: torch.Tensor, r_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """The causal decision of every token of ``x`` (``r``: its router logits, if known)."""
-        r_BT = self.logits(x_BTD) if r_BT is None else r_BT
-        return self.decide(self.decision_logits(x_BTD, r_BT))
+    def route(
+        self, x_BTD: torch.Tensor, r_BT: torch.Tensor | None = None,
+        shift_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The causal decision of every token of ``x`` (``r``: its router logits less
+        the token-choice bias ``shift``, if known)."""
+        if r_BT is None:
+            r_BT = self.logits(x_BTD) if shift_BT is None else self.logits(x_BTD) - shift_BT
+        return self.decide(self.decision_logits(x_BTD, r_BT, shift_BT))
 
     @torch.no_grad()
     def calibrate_(self, d_N: torch.Tensor, capacity: float) -> float:

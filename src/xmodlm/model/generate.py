@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from xmodlm.errors import UserError
+from xmodlm.model import routing
 from xmodlm.model.blocks import DecodeStep, Prompts, RoutedBlock
 from xmodlm.model.kv_cache import DEFAULT_SLACK, KVCache
 from xmodlm.model.transformer import Transformer
@@ -120,8 +121,14 @@ class Decoder:
         cos, sin = model.rope(pos_T)
         prompts = Prompts(model.rope, pos_T, cos, sin, valid_BT, lens, lens_B)
         x = model.embed(idx_BT)
+        bias = routing.TokenBias(model.cfg.token_bias, model.cfg.token_bias_step)
         for block, cache in zip(model.blocks, self.cache.blocks, strict=True):
-            x = block.prefill(x, prompts, cache)
+            if isinstance(block, RoutedBlock):
+                x, sel_BT = block.prefill(x, prompts, cache, bias.shift())
+                bias.selected(sel_BT)
+            else:
+                x = block.prefill(x, prompts, cache)
+                bias.reset()
         self.seq_len.copy_(lens_B)
         self.seq_lens = lens
         if all_logits:
@@ -145,18 +152,28 @@ class Decoder:
         step = DecodeStep(pos_B, cos, sin)
         x = model.embed(tokens_B.to(self.device).unsqueeze(1))
         blocks, caches = model.blocks, self.cache.blocks
+        bias = routing.TokenBias(model.cfg.token_bias, model.cfg.token_bias_step)
         i = 0
         while i < len(blocks):
             run = self.runs.get(i)
             if run is None:
-                x = blocks[i].step(x, step, caches[i])
+                if isinstance(blocks[i], RoutedBlock):
+                    x, sel = blocks[i].step(x, step, caches[i], bias.shift())
+                    if bias.tau:
+                        bias.selected(torch.tensor(sel, device=self.device).unsqueeze(1))
+                else:
+                    x = blocks[i].step(x, step, caches[i])
+                    bias.reset()
                 i += 1
                 continue
-            taken, r_B1, sel = run.first_taken(i, x)
+            # the blocks a run skips select nothing: the bias stays as it is over them
+            taken, r_B1, sel = run.first_taken(i, x, bias.shift())
             if taken is None:  # no sequence takes any block left in the run
                 i = run.end
                 continue
             x = blocks[taken].step_decided(x, step, caches[taken], r_B1, sel)
+            if bias.tau:
+                bias.selected(torch.tensor(sel, device=self.device).unsqueeze(1))
             i = taken + 1
         self.seq_len += 1
         self.seq_lens = [n + 1 for n in self.seq_lens]
@@ -202,12 +219,15 @@ class _SparseRun:
         return runs
 
     def first_taken(
-        self, i: int, x_B1D: torch.Tensor
+        self, i: int, x_B1D: torch.Tensor, shift_B1: torch.Tensor | None = None
     ) -> tuple[int | None, torch.Tensor | None, list[bool]]:
         """The first block from ``i`` on that some sequence takes: its index, router
-        logits (B, 1) and decisions; (None, None, []) when none takes any."""
+        logits (B, 1, less the token-choice bias ``shift``) and decisions; (None,
+        None, []) when none takes any."""
         k = i - self.start
         r_BN = x_B1D[:, 0].float() @ self.w_ND[k:].T
+        if shift_B1 is not None:
+            r_BN = r_BN - shift_B1
         sel_BN = r_BN > self.thr_N[k:]
         any_N = sel_BN.any(0).tolist()
         if True not in any_N:

@@ -124,8 +124,10 @@ class _RouteFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_BTD, w_1D, k, valid_BT):  # noqa: ANN001, ANN205
+    def forward(ctx, x_BTD, w_1D, k, valid_BT, shift_BT):  # noqa: ANN001, ANN205
         r_BT = router_logits(x_BTD, w_1D)
+        if shift_BT is not None:  # the token-choice bias: a constant, so dr/dx, dr/dw unchanged
+            r_BT = r_BT - shift_BT
         idx_BK = topk_indices(r_BT, k, valid_BT)
         ctx.save_for_backward(x_BTD, w_1D, idx_BK)
         ctx.mark_non_differentiable(idx_BK)
@@ -149,19 +151,56 @@ class _RouteFn(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_w = torch.mm(g_r.reshape(1, B * T).float(), x_BTD.reshape(B * T, D).float())
                 grad_w = grad_w.to(w_1D.dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def route(
-    x_BTD: torch.Tensor, w_1D: torch.Tensor, k: int, valid_BT: torch.Tensor | None = None
+    x_BTD: torch.Tensor,
+    w_1D: torch.Tensor,
+    k: int,
+    valid_BT: torch.Tensor | None = None,
+    shift_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A sparse block's routing step: (r_BT, idx_BK, x_BKD).
 
-    r = x . w in fp32 (the router logits), idx the sorted top-k positions of each
-    row (:func:`topk_indices`), x_BKD the gathered tokens
+    r = x . w - shift in fp32 (the router logits, less the token-choice bias
+    ``shift_BT`` = tau b where given: :class:`TokenBias`), idx the sorted top-k
+    positions of each row (:func:`topk_indices`), x_BKD the gathered tokens
     (:func:`gather_tokens`); differentiable in x and w through r and x_BKD.
     """
-    return _RouteFn.apply(x_BTD, w_1D, k, valid_BT)
+    return _RouteFn.apply(x_BTD, w_1D, k, valid_BT, shift_BT)
+
+
+class TokenBias:
+    """The paper's token-choice bias over one forward pass (its Eq. 8).
+
+    Each token carries a count b of the sparse blocks of the current stage that
+    processed it; a sparse block ranks and gates tokens by r = s - tau b instead of
+    its raw logit s, so a token already refined in this stage must score higher to
+    be taken again, and consecutive sparse blocks spread over more tokens. b grows by
+    ``step`` at each selection and returns to 0 at every non-sparse block (the
+    anchor that closes a stage). b depends only on the token's own earlier
+    decisions, so it is causal: decoding keeps the same count per new token. Lives
+    for one pass (no module state); tau = 0 turns it off at no cost.
+    """
+
+    def __init__(self, tau: float, step: float = 1.0) -> None:
+        self.tau, self.step = tau, step
+        self.b: torch.Tensor | None = None
+
+    def shift(self) -> torch.Tensor | None:
+        """tau b, to subtract from router logits (None while b is 0 or tau is 0)."""
+        return None if self.b is None else self.tau * self.b
+
+    def selected(self, sel: torch.Tensor) -> None:
+        """A sparse block processed the tokens ``sel`` marks."""
+        if self.tau:
+            add = sel.float() * self.step
+            self.b = add if self.b is None else self.b + add
+
+    def reset(self) -> None:
+        """A non-sparse block: the stage is over."""
+        self.b = None
 
 
 def _gate_and_slope(

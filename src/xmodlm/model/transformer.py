@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from xmodlm.config import ModelConfig
+from xmodlm.depth import stages
 from xmodlm.flops import active_depth, capacity_tokens
 from xmodlm.model import routing
 from xmodlm.model.blocks import BlockOutput, DenseBlock, RoutedBlock
@@ -38,23 +39,6 @@ class ModelOutput:
         return self.loss if self.aux_loss is None else self.loss + self.aux_loss
 
 
-def stride_windows(layout: str) -> list[list[int]]:
-    """Group sparse blocks (as indices among sparse blocks) by their anchor window.
-
-    A window starts at every non-sparse block; sparse blocks before the first
-    anchor form a window of their own.
-    """
-    windows: list[list[int]] = [[]]
-    n_sparse = 0
-    for i, letter in enumerate(layout):
-        if letter == "s":
-            windows[-1].append(n_sparse)
-            n_sparse += 1
-        elif i > 0:
-            windows.append([])
-    return [w for w in windows if w]
-
-
 class Transformer(nn.Module):
     """Pre-norm decoder with rotary positions, SwiGLU (or MoE) and causal SDPA."""
 
@@ -69,10 +53,10 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.rope = Rotary(cfg.head_dim, cfg.context, cfg.rope_theta)
-        self.windows = stride_windows(self.layout)
+        self.windows = stages(self.layout)  # the sparse blocks of each stage
         # every auxiliary loss's weight, as declared by the blocks that return it;
         # depth-wise balancing spans a window of blocks, so the stack declares it
-        self.aux_weights = {"balance": cfg.balance_coef}
+        self.aux_weights = {"balance": cfg.cv_coef}
         for block in self.blocks:
             self.aux_weights.update(block.aux_weights)
         self.reset_parameters()
@@ -152,9 +136,7 @@ class Transformer(nn.Module):
         def stack_variance(gamma: float) -> float:
             for block in routed:
                 block.gamma.fill_(gamma)
-            x_BTD = x0_BTD
-            for block in self.blocks:
-                x_BTD, _ = block(x_BTD, self.rope, pos_T, "topk", (cos, sin))
+            *_, (_, x_BTD, _) = self.run_blocks(x0_BTD, pos_T, "topk", (cos, sin))
             return float((x_BTD - x0_BTD).pow(2).mean())
 
         n_hi = min(len(self.blocks), math.ceil(l_ae))
@@ -164,6 +146,26 @@ class Transformer(nn.Module):
             by_depth[n] = dense_variance(n)
         target = routing.interpolate_depth(by_depth, min(l_ae, n_hi))
         return routing.solve_gamma(stack_variance, target)
+
+    def run_blocks(
+        self,
+        x_BTD: torch.Tensor,
+        pos_T: torch.Tensor,
+        mode: str,
+        rot: tuple[torch.Tensor, torch.Tensor],
+    ) -> Iterator[tuple[nn.Module, torch.Tensor, BlockOutput]]:
+        """Each block in turn on the stream: yields (block, stream after it, its
+        output). Carries the token-choice bias through each stage
+        (:class:`routing.TokenBias`): the one loop every full-sequence pass runs."""
+        bias = routing.TokenBias(self.cfg.token_bias, self.cfg.token_bias_step)
+        for block in self.blocks:
+            if isinstance(block, RoutedBlock):
+                x_BTD, out = block(x_BTD, self.rope, pos_T, mode, rot, bias.shift())
+                bias.selected(out.processed_BT)
+            else:
+                x_BTD, out = block(x_BTD, self.rope, pos_T, mode, rot)
+                bias.reset()
+            yield block, x_BTD, out
 
     def routed_blocks(self) -> list[RoutedBlock]:
         return [b for b in self.blocks if isinstance(b, RoutedBlock)]
@@ -229,8 +231,8 @@ class Transformer(nn.Module):
         rot = self.rope(pos_T, matmul_dtype(x_BTD))
         outs: list[BlockOutput] = []
         rms: list[float] = []
-        for block in self.blocks:
-            x_BTD, out = block(x_BTD, self.rope, pos_T, routing_mode, rot)
+        x0_BTD = x_BTD
+        for _, x_BTD, out in self.run_blocks(x0_BTD, pos_T, routing_mode, rot):  # noqa: B007
             outs.append(out)
             if return_stats:
                 rms.append(float(x_BTD.detach().float().pow(2).mean(-1).sqrt().mean()))
@@ -261,7 +263,7 @@ class Transformer(nn.Module):
                 grouped.setdefault(key, []).append(value)
         aux = {key: torch.stack(vals).mean() for key, vals in grouped.items()}
         sparse = [o for o in outs if o.r_BT is not None]
-        if cfg.balance_coef > 0 and sparse and self.windows:
+        if cfg.cv_coef > 0 and sparse and self.windows:
             probs = [torch.sigmoid(o.r_BT) for o in sparse]
             aux["balance"] = routing.balance_loss(
                 [torch.stack([probs[i] for i in w], dim=-1) for w in self.windows]

@@ -60,8 +60,7 @@ def token_routing(model: Transformer, ids: list[int]) -> dict[str, np.ndarray]:
     for mode in ROUTINGS:
         x = model.embed(idx)
         rot = model.rope(pos, matmul_dtype(x))
-        for block in model.blocks:
-            x, out = block(x, model.rope, pos, mode, rot)
+        for block, _, out in model.run_blocks(x, pos, mode, rot):
             if isinstance(block, RoutedBlock):
                 assert out.processed_BT is not None and out.r_BT is not None
                 rows[mode].append(out.processed_BT[0].cpu().numpy())
