@@ -95,3 +95,60 @@ def test_causal_decision_is_strictly_above_the_threshold() -> None:
     d = torch.tensor([[-0.5, 0.0, 0.5, 1.0]])
     assert routing.causal_decision(d, 0.0).tolist() == [[False, False, True, True]]
     assert routing.causal_decision(d, torch.tensor([0.5])).tolist() == [[False, False, False, True]]
+
+
+def test_stage_stats_beside_the_reference_schemes() -> None:
+    """Identical subsets give coverage p and Jaccard 1; disjoint ones full coverage and
+    Jaccard 0; the random reference is the closed form."""
+    from xmodlm.model.routing import stage_stats
+
+    same = torch.zeros(4, 2, 8, dtype=torch.bool)
+    same[:, :, :2] = True
+    got = stage_stats(same)
+    assert got["coverage"] == 0.25 and got["jaccard"] == 1.0
+    assert got["update_hist"] == [0.75, 0.0, 0.0, 0.0, 0.25]
+    assert got["identical"] == {"coverage": 0.25, "jaccard": 1.0}
+    assert abs(got["random"]["coverage"] - (1 - 0.75**4)) < 1e-12
+    assert abs(got["random"]["jaccard"] - 0.25 / 1.75) < 1e-12
+    assert abs(sum(got["random"]["update_hist"]) - 1) < 1e-12
+    apart = torch.zeros(4, 2, 8, dtype=torch.bool)
+    for n in range(4):
+        apart[n, :, 2 * n: 2 * n + 2] = True
+    got = stage_stats(apart)
+    assert got["coverage"] == 1.0 and got["jaccard"] == 0.0 and got["update_hist"][1] == 1.0
+
+
+def test_token_bias_spreads_identical_routers_over_a_stage() -> None:
+    """Blocks with the same router and no branch output (the stream never changes)
+    pick the same tokens without the bias and disjoint ones with it; the count
+    resets at each anchor, so every stage starts from the raw logits again."""
+    import dataclasses
+
+    from conftest import tiny_model_cfg
+    from xmodlm.model import Transformer
+
+    cfg = tiny_model_cfg(active_layers=7, dense_prefix=1, sparsity=4, anchor_stride=0.5,
+                         gating="sigmoid", context=32)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.context))
+
+    def run(tau: float) -> tuple[list[dict], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = Transformer(dataclasses.replace(cfg, token_bias_tau=tau))
+        with torch.no_grad():
+            w = torch.randn_like(model.routed_blocks()[0].router.weight)
+            for b in model.routed_blocks():
+                b.router.weight.copy_(w)
+            for name, p in model.blocks.named_parameters():
+                if name.endswith(("attn.proj.weight", "mlp.down.weight")):
+                    p.zero_()
+            pos = torch.arange(cfg.context)
+            sel = [out.processed_BT for _, _, out in model.run_blocks(
+                model.embed(x), pos, "topk", model.rope(pos)) if out.processed_BT is not None]
+            return model(x, return_stats=True).stats["stages"], sel
+
+    off, _ = run(0.0)
+    on, sel = run(10.0)
+    assert len(on) == 4 and all(s["blocks"] == 2 for s in on)
+    assert all(s["jaccard"] == 1.0 and s["coverage"] == 0.25 for s in off)
+    assert all(s["jaccard"] == 0.0 and s["coverage"] == 0.5 for s in on)
+    assert torch.equal(sel[0], sel[2]) and torch.equal(sel[1], sel[3])  # reset at the anchor

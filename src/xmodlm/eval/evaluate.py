@@ -118,7 +118,7 @@ def evaluate_run(
     if split != "val":  # the val_* keys are kept for readers of earlier results
         for key in ("loss_topk", "loss_causal", "bpb", "bpb_causal"):
             result[f"{split}_{key}"] = result[f"val_{key}"]
-    for key in ("coverage", "depth_hist", "jaccard"):
+    for key in ("coverage", "depth_hist", "jaccard", "stages", "stages_causal"):
         if key in ev:
             result[key] = ev[key]
     result.update(kv_cache_per_token(model, batches[0][0].to(device)))

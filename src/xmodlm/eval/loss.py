@@ -64,6 +64,7 @@ def evaluate(
                 stats_acc.setdefault(f"capacity_causal{suffix}", []).append(
                     out_c.stats["capacity_used"]
                 )
+                stats_acc.setdefault(f"stages_causal{suffix}", []).append(out_c.stats["stages"])
         for key, value in out_t.stats.items():
             stats_acc.setdefault(key, []).append(value)
     model.train(was_training)
@@ -87,6 +88,12 @@ def evaluate(
 
 
 def _mean_nested(values: list[Any]) -> Any:
-    if isinstance(values[0], list):
-        return [sum(v[i] for v in values) / len(values) for i in range(len(values[0]))]
+    """The mean over batches of numbers, or of lists and dicts of them (None stays None)."""
+    first = values[0]
+    if isinstance(first, dict):
+        return {k: _mean_nested([v[k] for v in values]) for k in first}
+    if isinstance(first, list):
+        return [_mean_nested([v[i] for v in values]) for i in range(len(first))]
+    if first is None:
+        return None
     return sum(values) / len(values)

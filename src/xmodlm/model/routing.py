@@ -399,8 +399,42 @@ def routing_stats(
         union = (a | b).sum().float().clamp_min(1)
         jac.append(float(inter / union))
     out["jaccard"] = jac
+    out["stages"] = [stage_stats(sel_NBT[w]) for w in windows if len(w) > 0]
     if causal is not None and topk is not None:
         agree = [float((c == t).float().mean()) for c, t in zip(causal, topk, strict=True)]
         out["agreement"] = agree
         out["agreement_mean"] = sum(agree) / len(agree)
     return out
+
+
+@torch.no_grad()
+def stage_stats(sel_NBT: torch.Tensor) -> dict[str, object]:
+    """Routing diagnostics of one stage (its n sparse blocks' (B, T) selections),
+    beside the two reference schemes of the same per-block fraction p:
+
+    * ``coverage``: the fraction of tokens some block of the stage processed;
+    * ``jaccard``: mean Jaccard overlap of adjacent blocks' selections;
+    * ``update_hist``: the fraction of tokens processed by 0, 1, ..., n blocks;
+    * ``identical``: every block picks the same tokens (coverage p, Jaccard 1),
+      the collapse the token-choice bias exists to prevent;
+    * ``random``: independent uniform picks (coverage 1 - (1 - p)^n, Jaccard
+      p / (2 - p), updates binomial(n, p)).
+    """
+    sel = sel_NBT.bool()
+    n = sel.shape[0]
+    p = float(sel.float().mean())
+    jac = [
+        float((a & b).sum()) / max(1.0, float((a | b).sum()))
+        for a, b in zip(sel[:-1], sel[1:], strict=True)
+    ]
+    hist = torch.bincount(sel.sum(0).flatten(), minlength=n + 1).float()
+    binom = [math.comb(n, j) * p**j * (1 - p) ** (n - j) for j in range(n + 1)]
+    return {
+        "blocks": n,
+        "coverage": float(sel.any(0).float().mean()),
+        "jaccard": sum(jac) / len(jac) if jac else None,
+        "update_hist": [float(x) for x in hist / hist.sum()],
+        "identical": {"coverage": p, "jaccard": 1.0},
+        "random": {"coverage": 1 - (1 - p) ** n, "jaccard": p / (2 - p) if p < 2 else None,
+                   "update_hist": binom},
+    }
