@@ -246,3 +246,26 @@ def flop_match(
     assert best is not None
     best[1].validate()
     return best[1], best[0]
+
+
+def same_active_dense(cfg: ModelConfig) -> ModelConfig | None:
+    """The dense model of ``cfg``'s backbone and active-equivalent depth (the paper's
+    phi_D reference: same N_act, same L), where that depth is whole; else None."""
+    depth = active_depth(cfg)
+    if abs(depth - round(depth)) > 1e-9:
+        return None
+    return dataclasses.replace(
+        cfg, sparsity=1.0, anchor_stride=1.0, stride=1, capacity=1.0, layout="", mlp="swiglu",
+        active_layers=float(round(depth)) if cfg.active_layers > 0 else 0.0,
+        n_layers=round(depth),
+    )
+
+
+def flops_over_dense(cfg: ModelConfig) -> float | None:
+    """phi / phi_D, the paper's Table 1 column: forward FLOPs per token without the LM
+    head over those of :func:`same_active_dense` (None where there is none)."""
+    dense = same_active_dense(cfg)
+    if dense is None:
+        return None
+    head = 2.0 * cfg.d_model * cfg.vocab_size
+    return (count(cfg).flops_forward - head) / (count(dense).flops_forward - head)

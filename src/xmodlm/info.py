@@ -46,6 +46,7 @@ def model_info(config: str, overrides: list[str] | tuple[str, ...] = ()) -> dict
         "n_layers": m.num_blocks,
         "active_depth": active_depth(m),
         "expansion_ratio": flops.expansion_ratio(m),
+        "flops_over_dense": flops.flops_over_dense(m),
         "gate_gamma_init": gate_gamma_init(cfg.model, cfg.train.seed),
         "config": cfg.to_dict(),
     }

@@ -25,6 +25,7 @@ from xmodlm import flops
 from xmodlm.bench import compile as bench_compile
 from xmodlm.bench.decode import decode
 from xmodlm.bench.overhead import architecture_parts, routing_overhead
+from xmodlm.bench.paper_pair import paper_pair
 from xmodlm.bench.sizes import (
     DEVICE_PEAK_N,
     QUICK_PEAK_N,
@@ -351,6 +352,9 @@ def run_bench(
                     family_configs(size.dense()), quick)
     finally:
         torch.set_num_threads(default_threads)
+    torch.set_num_threads(main)
+    result["paper_pair"] = paper_pair(dev, quick, peak_n, say)
+    torch.set_num_threads(default_threads)
     if include_widths:
         widths_modes = tuple(m for m in modes if m == "compiled_model")
         result["width_scan"] = width_scan(dev, widths_modes, quick, peak_n, say)

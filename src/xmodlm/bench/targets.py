@@ -54,6 +54,10 @@ TARGETS: tuple[Target, ...] = (
            "X-MoD's speed-up over dense of equal parameters reaches 85% of its FLOP ratio"),
     Target("dense_mfu@bench", "bench", "train_step.dense.best.mfu",
            "min", 0.40, "dense MFU against the measured matmul peak"),
+    Target("xmod_a1k8_time_per_flop@cpu-d64-l2048", None,
+           "paper_pair.xmod_vs_dense.time_per_flop_ratio", "max", 1.25,
+           "the paper's shape (A1K8, token-choice bias, width 64, L = 2048): a FLOP of X-MoD"
+           " costs at most 1.25x the time of one of dense of the same active depth"),
     Target("law_fit_s", None, "law_fit_s.seconds",
            "max", 60.0, "the law fit with 1000 bootstrap replicates takes under a minute"),
 )
