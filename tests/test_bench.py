@@ -334,12 +334,18 @@ def test_quick_bench_single_size_sections_and_targets(quick_result: dict) -> Non
         assert _positive(scan["widths"]["w128"][xmod]["best"]["time_ratio"])
     assert "skipped" in res["law_fit_s"]
     assert res["sweep_worker_throughput"]["tokens_per_s"] > 0
+    pair = res["paper_pair"]
+    assert pair["layouts"]["dense"].count("D") == len(pair["layouts"]["dense"])
+    assert pair["layouts"]["xmod_a1k8"].count("D") < len(pair["layouts"]["xmod_a1k8"])
+    assert 0 < pair["xmod_vs_dense"]["flop_ratio"] < 1
+    assert _positive(pair["xmod_vs_dense"]["time_per_flop_ratio"])
     targets = res["targets"]
     assert {t.name for t in TARGETS} <= set(targets)
     for t in TARGETS:
         row = targets[t.name]
         assert row["pass"] is None and row[t.kind] == t.bound  # quick: no pass/miss
-        measured = t.size in res["sizes"]
+        # whole-run figures: the law fit is skipped in quick mode, the paper pair is not
+        measured = t.size in res["sizes"] if t.size else t.figure.startswith("paper_pair.")
         assert (row["value"] is not None) == measured, t.name
 
 

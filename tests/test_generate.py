@@ -31,6 +31,15 @@ FAMILIES = {
     "moe": dict(mlp="moe", n_experts=4, moe_top_k=2),
     # thresholds calibrated away from 0 (the half rule): decoding must use them too
     "xmod_calibrated": dict(n_layers=8, stride=4, capacity=0.25, calibrate=True),
+    # the paper's construction: prefix, closed stages, a strong token-choice bias
+    "paper_a1k4": dict(active_layers=5, dense_prefix=1, sparsity=4, anchor_stride=1,
+                       token_bias_tau=2.0, calibrate=True),
+    "paper_a1k4_predictor": dict(active_layers=5, dense_prefix=1, sparsity=4, anchor_stride=1,
+                                 token_bias_tau=2.0, causal_router="predictor"),
+    "paper_mod_ffn_gate": dict(active_layers=6, dense_prefix=1, sparsity=4, anchor_stride=0.25,
+                               gating="sigmoid", gate_scope="ffn", balance="none"),
+    "paper_no_anchors": dict(active_layers=4, dense_prefix=1, sparsity=4, anchor_stride=1,
+                             anchors=False, token_bias_tau=2.0),
 }
 
 

@@ -76,17 +76,26 @@ def test_stride_one_equals_dense() -> None:
     assert torch.equal(out_a.total_loss, out_b.total_loss)  # no auxiliary loss either
 
 
-def test_routed_block_gather_path_equals_masked_reference() -> None:
+@pytest.mark.parametrize("changes", [
+    dict(gating="sigmoid"),
+    dict(gating="sigmoid", gate_scope="ffn"),  # MoD's x + a + g f
+    dict(gating="variance_scaled", with_bias=True),  # r less the token-choice bias
+], ids=["block", "ffn", "bias"])
+def test_routed_block_gather_path_equals_masked_reference(changes: dict) -> None:
     """The gathered k-token block equals dense attention masked to those tokens at
-    their original positions (forward and backward)."""
-    cfg = tiny_model_cfg(n_layers=4, stride=2, capacity=0.25, gating="sigmoid")
+    their original positions (forward and backward), for either gate scope and with
+    a token-choice bias."""
+    changes = dict(changes)
+    with_bias = changes.pop("with_bias", False)
+    cfg = tiny_model_cfg(n_layers=4, stride=2, capacity=0.25, **changes)
     model = Transformer(cfg)
     block = model.blocks[1]
     assert isinstance(block, RoutedBlock)
     x = torch.randn(2, cfg.context, cfg.d_model, requires_grad=True)
     pos = torch.arange(cfg.context)
-    y_fast, out = block(x, model.rope, pos, "topk")
-    r = block.router.logits(x)
+    shift = 0.5 * torch.randint(0, 3, (2, cfg.context)).float() if with_bias else None
+    y_fast, out = block(x, model.rope, pos, "topk", shift_BT=shift)
+    r = block.router.logits(x) - (0 if shift is None else shift)
     y_ref = block.masked_forward(x, r, out.topk_BT, model.rope, pos)
     torch.testing.assert_close(y_fast, y_ref, rtol=1e-5, atol=1e-5)
     (g_fast,) = torch.autograd.grad(y_fast.square().sum(), x)
