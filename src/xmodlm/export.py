@@ -55,6 +55,7 @@ from xmodlm.runs import (
     tokenizer_path,
     untie_weights,
 )
+from xmodlm.version import __version__
 
 FORMAT_VERSION = 2  # 2: the standalone modeling file and its config fields
 WEIGHTS_FILE = "model.safetensors"
@@ -90,7 +91,6 @@ def export_config(
     """The ``config.json`` of an export: the fields :class:`xmodlm.hf.XModConfig`
     reads (the architecture resolved here, so the modeling file derives nothing),
     ``xmod`` (the model config, for :func:`load_pretrained`) and the source."""
-    from xmodlm import __version__
     from xmodlm.depth_routers import make_kind
 
     m = cfg.model
