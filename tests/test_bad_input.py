@@ -693,7 +693,7 @@ def test_non_finite_final_loss_is_diverged(
 
 def test_sweep_spec_numbers_read_as_strings_are_numbers(world: dict[str, str]) -> None:
     from xmodlm.sweep import expand, load_spec
-    from xmodlm.sweep.spec import check_spec
+    from xmodlm.sweep.grammar import check_spec
 
     spec = load_spec(world["spec_good"])
     spec["compute"] = ["2e9"]
