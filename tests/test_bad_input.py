@@ -101,10 +101,10 @@ def world(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     w["base_int"] = str(root / "base_int.yaml")
     (root / "chain.yaml").write_text(f"base: {cfg}\nname: chained\n")  # cfg's base: xmod-tiny
     w["chain"] = str(root / "chain.yaml")
-    from xmodlm.export import FORMAT
+    from xmodlm.runs import EXPORT_FORMAT
 
     (root / "export").mkdir()  # what `xmod export` leaves: config.json of its format
-    (root / "export" / "config.json").write_text(json.dumps({"format": FORMAT}))
+    (root / "export" / "config.json").write_text(json.dumps({"format": EXPORT_FORMAT}))
     w["export"] = str(root / "export")
     (root / "dir.yaml").mkdir()
     w["dir_yaml"] = str(root / "dir.yaml")
@@ -693,7 +693,7 @@ def test_non_finite_final_loss_is_diverged(
 
 def test_sweep_spec_numbers_read_as_strings_are_numbers(world: dict[str, str]) -> None:
     from xmodlm.sweep import expand, load_spec
-    from xmodlm.sweep.spec import check_spec
+    from xmodlm.sweep.grammar import check_spec
 
     spec = load_spec(world["spec_good"])
     spec["compute"] = ["2e9"]

@@ -317,7 +317,7 @@ def test_shipped_depth_control_brackets_the_study_xmod_at_t512() -> None:
 def test_dry_run_sizes_from_measured_throughput(tiny_data_dir: Path, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture) -> None:
     """--rate-from: times are compute / the FLOP/s finished runs reached (median)."""
-    from xmodlm.sweep.spec import measured_rate
+    from xmodlm.sweep.estimate import measured_rate
 
     done = tmp_path / "done"
     for i, (flops_, wall) in enumerate([(1e12, 10.0), (3e12, 10.0), (2e12, 10.0), (5e12, 0.0)]):
@@ -339,7 +339,7 @@ def test_dry_run_sizes_from_measured_throughput(tiny_data_dir: Path, tmp_path: P
     assert "2e+11 FLOP/s a run, measured by 3 finished runs" in out
     assert "5.0 s a run to start and evaluate (measured)" in out
     # each run: that fixed cost plus its compute over the rate
-    from xmodlm.sweep.spec import DEFAULT_FIXED_S, estimate_seconds
+    from xmodlm.sweep.estimate import DEFAULT_FIXED_S, estimate_seconds
 
     runs = expand(load_spec(spec))
     assert estimate_seconds(runs, rate=2e11, fixed_s=5.0) == [5.0 + r.compute / 2e11 for r in runs]
@@ -351,7 +351,7 @@ def test_dry_run_of_a_resumed_sweep_estimates_only_the_runs_left(
         tiny_data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A run finished in --out is marked done and left out of the estimate, so the
     line's minutes are what the rerun will take (it had summed every run)."""
-    from xmodlm.sweep.spec import estimate_seconds
+    from xmodlm.sweep.estimate import estimate_seconds
 
     spec = _spec(tmp_path, tiny_data_dir, [{"family": "dense"}], seeds=[0, 1, 2])
     runs = expand(load_spec(spec))

@@ -45,11 +45,20 @@ import torch
 from xmodlm.config import Config, ModelConfig
 from xmodlm.data.tokenizer import EOT, Tokenizer
 from xmodlm.errors import UserError
+from xmodlm.model import Transformer
+from xmodlm.runs import (
+    EXPORT_CONFIG,
+    EXPORT_FORMAT,
+    is_exported,
+    load_model_weights,
+    load_run,
+    tokenizer_path,
+    untie_weights,
+)
+from xmodlm.version import __version__
 
-FORMAT = "xmodlm-export"
 FORMAT_VERSION = 2  # 2: the standalone modeling file and its config fields
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 MODELING_FILE = "modeling_xmod.py"
 CARD_FILE = "README.md"
@@ -58,17 +67,6 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_xmod.XModForCausalLM",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def is_exported(path: str | Path) -> bool:
-    """True for a directory written by :func:`export_run` (config.json of our format)."""
-    cfg = Path(path) / CONFIG_FILE
-    if not cfg.is_file():
-        return False
-    try:
-        return json.loads(cfg.read_text(encoding="utf-8")).get("format") == FORMAT
-    except (ValueError, UnicodeDecodeError, AttributeError, OSError):
-        return False
 
 
 def modeling_source() -> str:
@@ -93,7 +91,6 @@ def export_config(
     """The ``config.json`` of an export: the fields :class:`xmodlm.hf.XModConfig`
     reads (the architecture resolved here, so the modeling file derives nothing),
     ``xmod`` (the model config, for :func:`load_pretrained`) and the source."""
-    from xmodlm import __version__
     from xmodlm.depth_routers import make_kind
 
     m = cfg.model
@@ -102,7 +99,7 @@ def export_config(
         "model_type": model_type(),
         "architectures": ["XModForCausalLM"],
         "auto_map": dict(AUTO_MAP),
-        "format": FORMAT,
+        "format": EXPORT_FORMAT,
         "format_version": FORMAT_VERSION,
         "xmodlm_version": __version__,
         "vocab_size": m.vocab_size,
@@ -168,7 +165,6 @@ def export_run(
     :class:`UserError` too, and leaves every file there whole.
     """
     from xmodlm.fileio import sha256_file
-    from xmodlm.runs import load_run, tokenizer_path
 
     run = Path(run_dir)
     if is_exported(run):
@@ -210,7 +206,7 @@ def export_run(
         from xmodlm.model_card import model_card
 
         _write(dest / CARD_FILE, model_card(run, cfg, model, config).encode("utf-8"))
-        _write_json(dest / CONFIG_FILE, config)  # last: its presence marks a whole export
+        _write_json(dest / EXPORT_CONFIG, config)  # last: its presence marks a whole export
     except OSError as err:
         raise UserError(f"cannot write the export to {str(dest)!r}: {err}") from None
     return config
@@ -230,7 +226,7 @@ def _check_destination(dest: Path, source: dict[str, Any], force: bool) -> None:
     hint = "give a new or empty directory, or --force to write over it"
     if not is_exported(dest):
         raise UserError(f"--out {str(dest)!r} holds files that are not an xmod export: {hint}")
-    theirs = json.loads((dest / CONFIG_FILE).read_text(encoding="utf-8")).get("source") or {}
+    theirs = json.loads((dest / EXPORT_CONFIG).read_text(encoding="utf-8")).get("source") or {}
     if theirs.get("run_config_sha256") != source["run_config_sha256"]:
         raise UserError(
             f"--out {str(dest)!r} holds an export of another run"
@@ -267,7 +263,6 @@ def _write_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     from xmodlm.fileio import follow_umask, fsync_dir
-    from xmodlm.runs import untie_weights
 
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -288,13 +283,13 @@ def _write_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
 
 
 def _read_export_config(path: Path) -> tuple[dict[str, Any], ModelConfig]:
-    file = path / CONFIG_FILE
+    file = path / EXPORT_CONFIG
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as err:
         raise UserError(f"{file} is not valid JSON: {err}") from None
-    if raw.get("format") != FORMAT or not isinstance(raw.get("xmod"), dict):
-        raise UserError(f"{file} is not an xmod-lm export (no 'format: {FORMAT}' / 'xmod')")
+    if raw.get("format") != EXPORT_FORMAT or not isinstance(raw.get("xmod"), dict):
+        raise UserError(f"{file} is not an xmod-lm export (no 'format: {EXPORT_FORMAT}' / 'xmod')")
     if int(raw.get("format_version", 0)) > FORMAT_VERSION:
         raise UserError(
             f"{file} has export format {raw['format_version']}; this xmod-lm reads up to"
@@ -315,9 +310,6 @@ def load_pretrained(
     run directory (default: the newest that loads). Weights are read from
     safetensors only; nothing is unpickled.
     """
-    from xmodlm.model import Transformer
-    from xmodlm.runs import load_model_weights, load_run, tokenizer_path
-
     where = Path(path)
     if is_exported(where):
         if step is not None:

@@ -176,10 +176,10 @@ def environment_record() -> dict[str, Any]:
     """Everything needed to reproduce a figure: code version, packages, hardware."""
     import numpy
 
-    import xmodlm
+    from xmodlm.version import __version__
 
     record: dict[str, Any] = {
-        "xmodlm": xmodlm.__version__,
+        "xmodlm": __version__,
         "git_commit": _git_commit(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,

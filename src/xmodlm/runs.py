@@ -1,6 +1,11 @@
 """Runs as their readers see them: the checkpoints of a run directory, a run's model
 and tokenizer, and the one rewrite of a finished checkpoint (calibrated thresholds).
 
+A reader may be handed an exported model instead of a run: :func:`is_exported`
+tells the two apart, here rather than in :mod:`xmodlm.export`, so that
+:func:`load_run` can point the user to ``load_pretrained`` while export, which
+reads runs, stays the only side of the two that imports the other.
+
 Evaluation, calibration, generation, export, the bench and the report read runs
 through this module; training writes them (:mod:`xmodlm.train.checkpoint`) and
 resumes through it too. It knows nothing of the trainer, so nothing that reads a
@@ -14,6 +19,7 @@ file) is left alone, named once on stderr, and never loaded, pruned or parsed.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -30,6 +36,8 @@ from xmodlm.info import check_memory
 from xmodlm.model import Transformer
 
 CKPT_DIR = "ckpt"
+EXPORT_FORMAT = "xmodlm-export"  # config.json's "format" in a directory xmod export wrote
+EXPORT_CONFIG = "config.json"
 _CKPT_NAME = re.compile(r"step_(\d{8})")
 _noted_strays: set[Path] = set()
 
@@ -57,6 +65,18 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
             print(f"note: ignoring {p}: not a checkpoint name (step_ and 8 digits)",
                   file=sys.stderr)
     return sorted(found, key=checkpoint_step)
+
+
+def is_exported(path: str | Path) -> bool:
+    """True for a directory written by :func:`xmodlm.export.export_run` (a
+    ``config.json`` of our format)."""
+    cfg = Path(path) / EXPORT_CONFIG
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text(encoding="utf-8")).get("format") == EXPORT_FORMAT
+    except (ValueError, UnicodeDecodeError, AttributeError, OSError):
+        return False
 
 
 def rewrite_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
@@ -127,8 +147,6 @@ def load_run(
     """
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
-        from xmodlm.export import is_exported
-
         if is_exported(run):
             raise UserError(
                 f"{str(run)!r} is an export (config.json + model.safetensors), not a run"

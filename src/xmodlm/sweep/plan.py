@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from xmodlm.errors import UserError
+from xmodlm.sweep.estimate import DEFAULT_FIXED_S, estimate_seconds, measured_rate
 from xmodlm.sweep.runner import run_state
-from xmodlm.sweep.spec import DEFAULT_FIXED_S, RunSpec, estimate_seconds, measured_rate
+from xmodlm.sweep.spec import RunSpec
 
 
 def train_tokens(runs: list[RunSpec]) -> int | None:

@@ -196,10 +196,10 @@ def _same_run(old: Any, new: Any, defaults: Any) -> bool:
 
 
 def _estimated_seconds(runs: dict[str, RunSpec], out: Path, workers: int) -> dict[str, float]:
-    """Each run's estimated wall time (:func:`xmodlm.sweep.spec.estimate_seconds`: a
+    """Each run's estimated wall time (:func:`xmodlm.sweep.estimate.estimate_seconds`: a
     fixed cost plus its FLOPs over a rate), measured by this sweep's finished runs
     where there are some."""
-    from xmodlm.sweep.spec import estimate_seconds, measured_rate
+    from xmodlm.sweep.estimate import estimate_seconds, measured_rate
 
     if not runs:
         return {}
