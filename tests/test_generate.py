@@ -31,6 +31,9 @@ FAMILIES = {
     "moe": dict(mlp="moe", n_experts=4, moe_top_k=2),
     # thresholds calibrated away from 0 (the half rule): decoding must use them too
     "xmod_calibrated": dict(n_layers=8, stride=4, capacity=0.25, calibrate=True),
+    # grouped queries (4 over 2 key/value heads), head dim 12 on width 32, QK-norm
+    "dense_gqa": dict(n_kv_heads=2, head_dim=12, qk_norm=True),
+    "xmod_gqa": dict(n_layers=8, stride=4, capacity=0.25, n_kv_heads=2, head_dim=12, qk_norm=True),
 }
 
 

@@ -149,13 +149,14 @@ def kv_bytes_formula(
 ) -> float:
     """Analytic KV-cache bytes of ``cfg`` holding ``n_tokens`` tokens (summed over the batch).
 
-    Each cached token costs ``2 * d_model * dtype_bytes`` per block (a key and a
-    value over all heads). Anchor, dense and MoE blocks cache every token; sparse
-    block l caches ``f_l * n_tokens``. ``routed_fraction_per_block``: None (every
-    sparse block at the config's capacity c), one fraction for every sparse
-    block, or a sequence with one fraction per sparse block (depth order) or per
-    block (non-sparse entries must be 1). With every f_l = c the ratio to a dense
-    model of the same depth is ``L_active / L``.
+    Each cached token costs ``2 * n_kv_heads * head_dim * dtype_bytes`` per block
+    (a key and a value over the key/value heads). Anchor, dense and MoE blocks
+    cache every token; sparse block l caches ``f_l * n_tokens``.
+    ``routed_fraction_per_block``: None (every sparse block at the config's
+    capacity c), one fraction for every sparse block, or a sequence with one
+    fraction per sparse block (depth order) or per block (non-sparse entries must
+    be 1). With every f_l = c the ratio to a dense model of the same depth is
+    ``L_active / L``.
     """
     layout = cfg.block_layout
     n_sparse = layout.count("s")
@@ -177,7 +178,7 @@ def kv_bytes_formula(
                 f"{len(given)} routed fractions given: need one per sparse block ({n_sparse})"
                 f" or one per block ({len(layout)})"
             )
-    per_token = 2 * cfg.d_model * dtype_bytes
+    per_token = 2 * cfg.attn_kv_heads * cfg.attn_head_dim * dtype_bytes
     tokens = (len(layout) - n_sparse) * n_tokens + sum(f * n_tokens for f in fractions)
     return float(tokens * per_token)
 
