@@ -253,8 +253,9 @@ def attention(
         with torch.autocast("cpu", enabled=False):  # CPU autocast would cast SDPA back to bf16
             y = attention(q.float(), k.float(), v.float(), mask, causal)
         return y.to(q.dtype)
-    # grouped queries (fewer key/value heads): SDPA shares each key/value head over
-    # its group itself, faster on a CPU than repeating the keys and values first
+    # grouped queries (fewer key/value heads): SDPA's flash kernels share each key/value
+    # head over its group themselves, with no repeated copy of the keys and values; on
+    # a CPU as fast as repeating them first (fwd+bwd, bf16, 8 over 2 heads, T 256)
     gqa = q.shape[1] != k.shape[1]
     if mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
