@@ -174,9 +174,8 @@ class _Attention(nn.Module):
         q_dim, kv_dim = self.n_heads * hd, self.n_kv_heads * hd
         self.qkv = nn.Linear(d, q_dim + 2 * kv_dim, bias=False)
         self.proj = nn.Linear(q_dim, d, bias=False)
-        if config.qk_norm:
-            self.q_norm = _RMSNorm(hd, config.rms_norm_eps)
-            self.k_norm = _RMSNorm(hd, config.rms_norm_eps)
+        self.q_norm = _RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = _RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -188,7 +187,7 @@ class _Attention(nn.Module):
         H, G, K = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.qkv(x_BTD).split((H * K, G * K, G * K), -1)
         q, k, v = q.view(B, T, H, K), k.view(B, T, G, K), v.view(B, T, G, K)
-        if hasattr(self, "q_norm"):
+        if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         c, s = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)  # (B, T, 1, K)
         q = (q * c + q.roll(K // 2, -1) * s).transpose(1, 2)
