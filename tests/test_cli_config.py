@@ -18,7 +18,8 @@ def test_info_json_has_contract_keys(capsys: pytest.CaptureFixture[str]) -> None
     for key in ("params_total", "params_non_embedding", "params_active", "flops_per_token",
                 "layout", "stride", "capacity", "config"):
         assert key in info
-    assert set(info["flops_per_token"]) >= {"forward", "train"}
+    assert set(info["flops_per_token"]) >= {"forward", "train", "lm_head"}
+    assert {"n_kv_heads", "head_dim", "qk_norm"} <= set(info["config"]["model"])
     assert info["layout"] == "DsssDsssDsss"
     assert info["params_total"] > info["params_active"]
     assert info["config"]["model"]["stride"] == 4

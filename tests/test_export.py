@@ -227,6 +227,7 @@ VARIANTS = {
     "sigmoid-gate": {"gating": "sigmoid"},
     "moe": {"layout": "EsEs", "mlp": "moe", "n_experts": 4, "moe_top_k": 2},
     "dense": {"layout": "DDDD", "capacity": 1.0, "stride": 1},
+    "gqa-qk-norm": {"n_kv_heads": 2, "head_dim": 12, "qk_norm": True},
 }
 
 
@@ -316,6 +317,49 @@ def test_save_pretrained_round_trip_and_dtype(
         assert router.threshold.item() == hf.blocks[1].router.threshold.item()
         V = hf.config.tokenizer_vocab_size
         assert torch.allclose(half(idx).logits[..., :V], hf(idx).logits[..., :V], atol=0.1)
+
+
+def test_grouped_query_qk_norm_export_round_trips(
+    tiny_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grouped-query model with a free head dim and QK-norm, trained, exported,
+    read back by xmod-lm and by transformers (logits, cache, greedy tokens), saved
+    by transformers and read again."""
+    cfg = load_config("xmod-tiny", [
+        f"data.dir={tiny_data_dir}", "data.val_batches=1", "model.vocab_size=300",
+        "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=12",
+        "model.qk_norm=true", "model.n_layers=4", "model.stride=2", "model.capacity=0.5",
+        "model.context=32", "train.batch_size=2", "train.dtype=fp32", "train.max_steps=2",
+        "train.warmup_steps=1",
+    ])
+    run, out = tmp_path / "run", tmp_path / "exported"
+    torch.manual_seed(0)
+    train(cfg, run, progress=False)
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_key_value_heads"], config["head_dim"], config["qk_norm"]) == (2, 12, True)
+    model, tok = xmodlm.load_pretrained(run)
+    again, _ = xmodlm.load_pretrained(out)
+    idx = torch.tensor([tok.encode("the whale and the sea")])
+    with torch.no_grad():
+        want = model(idx, routing_mode="causal").logits
+        assert torch.equal(again(idx, routing_mode="causal").logits, want)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    transformers = pytest.importorskip("transformers")
+    auto = transformers.AutoModelForCausalLM
+    hf = auto.from_pretrained(out, trust_remote_code=True)
+    V = tok.vocab_size
+    with torch.no_grad():
+        got = hf(idx).logits
+        assert torch.allclose(got[..., :V], want[..., :V], atol=1e-5)
+        hf.save_pretrained(tmp_path / "saved")
+        saved = auto.from_pretrained(tmp_path / "saved", trust_remote_code=True)
+        assert torch.equal(saved(idx).logits, got)
+    ids = idx[0].tolist()
+    generated = hf.generate(idx, max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    want_ids = generate(model, [ids], 6, temperature=0, eot_id=tok.eot_id, vocab_limit=V)[0]
+    assert generated == want_ids
 
 
 def test_export_dtype_writes_half_weights_that_load_back(

@@ -40,6 +40,9 @@ FAMILIES = {
                                gating="sigmoid", gate_scope="ffn", balance="none"),
     "paper_no_anchors": dict(active_layers=4, dense_prefix=1, sparsity=4, anchor_stride=1,
                              anchors=False, token_bias_tau=2.0),
+    # grouped queries (4 over 2 key/value heads), head dim 12 on width 32, QK-norm
+    "dense_gqa": dict(n_kv_heads=2, head_dim=12, qk_norm=True),
+    "xmod_gqa": dict(n_layers=8, stride=4, capacity=0.25, n_kv_heads=2, head_dim=12, qk_norm=True),
 }
 
 

@@ -117,7 +117,7 @@ def test_each_rule_has_one_home(rule: Callable[[ast.AST], bool]) -> None:
 
 def _kv_bytes_per_token(node: ast.AST) -> bool:
     return isinstance(node, ast.BinOp) and bool(
-        re.fullmatch(r"2 \* [\w.]*d_model \* \w+", ast.unparse(node)))
+        re.fullmatch(r"2 \* [\w.]*(d_model|kv_heads) \* [\w.]+( \* \w+)?", ast.unparse(node)))
 
 
 def _progress_class(node: ast.AST) -> bool:
@@ -130,9 +130,10 @@ def _progress_class(node: ast.AST) -> bool:
 def test_counts_and_progress_have_one_home(rule: Callable[[ast.AST], bool], home: str) -> None:
     """The KV-cache bytes a token costs are counted beside the other analytic counts,
     and every long phase (a sweep's runs included) reports through one helper."""
-    assert [s.split(":")[0] for s in _code_sites(rule)] == [home]
-    copy = "class SweepProgress:\n    def f(self, cfg, b):\n        return 2 * cfg.d_model * b\n"
-    assert any(rule(n) for n in ast.walk(ast.parse(copy)))
+    assert sorted({s.split(":")[0] for s in _code_sites(rule)}) == [home]
+    for line in ("2 * cfg.d_model * b", "2 * cfg.attn_kv_heads * cfg.attn_head_dim * b"):
+        copy = f"class SweepProgress:\n    def f(self, cfg, b):\n        return {line}\n"
+        assert any(rule(n) for n in ast.walk(ast.parse(copy)))
 
 
 def test_one_home_check_sees_a_copy(tmp_path: Path) -> None:

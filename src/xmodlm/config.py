@@ -48,6 +48,11 @@ class ModelConfig:
     d_model: int = 256
     n_layers: int = 8
     n_heads: int = 4
+    # grouped-query attention: n_heads query heads share n_kv_heads key/value heads
+    # (0: n_kv_heads = n_heads, plain multi-head); the cache holds only the latter
+    n_kv_heads: int = 0
+    head_dim: int = 0  # 0: d_model // n_heads; else free of d_model (Qwen3-style)
+    qk_norm: bool = False  # RMSNorm of each query and key head before rotary (Qwen3)
     d_ff: int = 0  # 0: SwiGLU default, 8/3 * d_model rounded up to a multiple of 32
     context: int = 256
     # --- sparse depth (xmodlm.depth) ---------------------------------------------
@@ -90,8 +95,14 @@ class ModelConfig:
     tie_embeddings: bool = False
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def attn_head_dim(self) -> int:
+        """The head dim in effect: ``head_dim``, or d_model // n_heads when it is 0."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def attn_kv_heads(self) -> int:
+        """Key/value heads in effect: ``n_kv_heads``, or n_heads when it is 0."""
+        return self.n_kv_heads or self.n_heads
 
     @property
     def ffn_dim(self) -> int:
@@ -141,7 +152,7 @@ class ModelConfig:
     def family(self) -> str:
         """The family name used in run records (:func:`xmodlm.record.family`; derived,
         never branched on in the model)."""
-        return record.family(self.block_layout, self.gating, self.gate_scope, self.depth)
+        return record.family(self.block_layout, self.gating, self.depth.stride, self.gate_scope)
 
     def validate(self) -> None:
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "context")
@@ -169,12 +180,7 @@ class ModelConfig:
                 f" S = A*K + 1 = {resolved.stride}: depth must be a multiple of it (or set"
                 " model.active_layers for the paper's construction)"
             )
-        if self.d_model % self.n_heads != 0:
-            raise UserError(
-                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}"
-            )
-        if self.head_dim % 2 != 0:
-            raise UserError(f"model.d_model/n_heads={self.head_dim}: rotary needs an even head dim")
+        self._validate_heads()
         _choice(self, "gating", GATINGS)
         _choice(self, "causal_router", CAUSAL_ROUTERS)
         _choice(self, "causal_threshold", CAUSAL_THRESHOLDS)
@@ -205,6 +211,30 @@ class ModelConfig:
             raise UserError(f"model.norm_eps={self.norm_eps}: must be > 0 (it keeps 1/rms finite)")
         if self.init_std <= 0.0:
             raise UserError(f"model.init_std={self.init_std}: must be > 0")
+
+    def _validate_heads(self) -> None:
+        """Query heads must group evenly over the key/value heads, and the head dim
+        must be even (rotary turns pairs); d_model need only divide by n_heads when
+        the head dim is derived from it."""
+        if self.n_kv_heads < 0 or self.head_dim < 0:
+            raise UserError(
+                f"model.n_kv_heads={self.n_kv_heads}, model.head_dim={self.head_dim}:"
+                " must be >= 0 (0: n_heads and d_model // n_heads)"
+            )
+        if self.n_heads % self.attn_kv_heads != 0:
+            raise UserError(
+                f"model.n_heads={self.n_heads} is not divisible by"
+                f" model.n_kv_heads={self.n_kv_heads}: query heads share key/value heads in"
+                " equal groups"
+            )
+        if not self.head_dim and self.d_model % self.n_heads != 0:
+            raise UserError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}"
+                " (or set model.head_dim)"
+            )
+        if self.attn_head_dim % 2 != 0:
+            name = "model.head_dim" if self.head_dim else "model.d_model/n_heads"
+            raise UserError(f"{name}={self.attn_head_dim}: rotary needs an even head dim")
 
 
 @dataclass

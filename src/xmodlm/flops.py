@@ -4,8 +4,13 @@ Conventions (one for every family, so comparisons are fair):
 
 * matmul FLOPs are 2 m n k; everything else (norms, rotary, softmax, gathers) is
   not counted; embeddings cost 0;
-* attention counts scores and weighted values over all T keys (4 d T per query),
-  which is what SDPA computes in a training forward pass;
+* attention with grouped queries: the Q and output projections are
+  d x (n_heads head_dim), K and V d x (n_kv_heads head_dim); scores and weighted
+  values over all T keys cost 4 T n_heads head_dim per query (every query head
+  attends, whatever heads it shares), what SDPA computes in a training forward
+  pass;
+* the LM head (2 d V) is counted in the forward FLOPs and also reported on its
+  own (``lm_head``): the paper's Table 6 counts the forward without it;
 * a sparse block runs on k = max(1, round(c T)) tokens per sequence: its linear
   part scales with k/T and its attention with (k/T)^2; the router (2 d) runs on
   every token, and so does its depth-router kind's decision head, if it has one
@@ -62,16 +67,20 @@ class Counts:
     params_total: int
     params_non_embedding: int
     params_active: float
-    flops_forward: float  # per token, at the given context
+    flops_forward: float  # per token, at the given context, LM head included
     flops_train: float
     context: int
+    flops_lm_head: float  # the LM head's share of flops_forward (2 d V)
 
     def as_dict(self) -> dict[str, object]:
         return {
             "params_total": self.params_total,
             "params_non_embedding": self.params_non_embedding,
             "params_active": self.params_active,
-            "flops_per_token": {"forward": self.flops_forward, "train": self.flops_train},
+            "flops_per_token": {
+                "forward": self.flops_forward, "train": self.flops_train,
+                "lm_head": self.flops_lm_head,
+            },
             "context": self.context,
         }
 
@@ -80,10 +89,29 @@ def _router_kind(cfg: ModelConfig) -> DepthRouterKind:
     return make_kind(cfg.causal_router, cfg.d_model)
 
 
+def attention_params(cfg: ModelConfig) -> int:
+    """Weights of one attention layer: Q and output d x (n_heads head_dim), K and V
+    d x (n_kv_heads head_dim), and the two QK-norm gains (head_dim each) if on."""
+    d, hd = cfg.d_model, cfg.attn_head_dim
+    norms = 2 * hd if cfg.qk_norm else 0
+    return 2 * d * cfg.n_heads * hd + 2 * d * cfg.attn_kv_heads * hd + norms
+
+
+def attention_linear_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one attention layer's projections (Q, K, V, O)."""
+    hd = cfg.attn_head_dim
+    return 2 * cfg.d_model * (2 * cfg.n_heads * hd + 2 * cfg.attn_kv_heads * hd)
+
+
+def attention_score_flops(cfg: ModelConfig, keys: float) -> float:
+    """Forward FLOPs per query of scores and weighted values over ``keys`` keys."""
+    return 4 * keys * cfg.n_heads * cfg.attn_head_dim
+
+
 def block_params(cfg: ModelConfig, letter: str) -> tuple[int, float]:
     """(total, active) parameters of one block."""
     d, f = cfg.d_model, cfg.ffn_dim
-    attn = 4 * d * d
+    attn = attention_params(cfg)
     norms = 2 * d
     if letter == "E":
         experts = cfg.n_experts * 3 * d * cfg.expert_dim
@@ -102,12 +130,12 @@ def block_params(cfg: ModelConfig, letter: str) -> tuple[int, float]:
 def block_flops(cfg: ModelConfig, letter: str, context: int) -> float:
     """Forward FLOPs per token of one block at context length ``context``."""
     d, f, T = cfg.d_model, cfg.ffn_dim, context
-    linear_attn = 8 * d * d  # QKV (6 d^2) + output projection (2 d^2)
+    attn = attention_linear_flops(cfg) + attention_score_flops(cfg, T)
     if letter == "D":
-        return linear_attn + 4 * d * T + 6 * d * f
+        return attn + 6 * d * f
     if letter == "E":
         router = 2 * d * cfg.n_experts
-        return linear_attn + 4 * d * T + router + cfg.moe_top_k * 6 * d * cfg.expert_dim
+        return attn + router + cfg.moe_top_k * 6 * d * cfg.expert_dim
     k = capacity_tokens(cfg.depth.capacity, T)
     return sparse_block_flops(cfg, k / T, k)
 
@@ -119,7 +147,8 @@ def sparse_block_flops(cfg: ModelConfig, fraction: float, keys: float) -> float:
     training the fraction is k / T over k keys; at inference, the fraction f the
     causal decision routes, over f T keys (:func:`inference_flops`)."""
     d, f = cfg.d_model, cfg.ffn_dim
-    routed = fraction * (8 * d * d + 6 * d * f) + fraction * 4 * d * keys
+    linear = attention_linear_flops(cfg) + 6 * d * f
+    routed = fraction * linear + fraction * attention_score_flops(cfg, keys)
     return routed + 2 * d + _router_kind(cfg).extra_flops()
 
 
@@ -149,13 +178,14 @@ def kv_bytes_formula(
 ) -> float:
     """Analytic KV-cache bytes of ``cfg`` holding ``n_tokens`` tokens (summed over the batch).
 
-    Each cached token costs ``2 * d_model * dtype_bytes`` per block (a key and a
-    value over all heads). Anchor, dense and MoE blocks cache every token; sparse
-    block l caches ``f_l * n_tokens``. ``routed_fraction_per_block``: None (every
-    sparse block at the config's capacity c), one fraction for every sparse
-    block, or a sequence with one fraction per sparse block (depth order) or per
-    block (non-sparse entries must be 1). With every f_l = c the ratio to a dense
-    model of the same depth is ``L_active / L``.
+    Each cached token costs ``2 * n_kv_heads * head_dim * dtype_bytes`` per block
+    (a key and a value over the key/value heads). Anchor, dense and MoE blocks
+    cache every token; sparse block l caches ``f_l * n_tokens``.
+    ``routed_fraction_per_block``: None (every sparse block at the config's
+    capacity c), one fraction for every sparse block, or a sequence with one
+    fraction per sparse block (depth order) or per block (non-sparse entries must
+    be 1). With every f_l = c the ratio to a dense model of the same depth is
+    ``L_active / L``.
     """
     layout = cfg.block_layout
     n_sparse = layout.count("s")
@@ -177,7 +207,7 @@ def kv_bytes_formula(
                 f"{len(given)} routed fractions given: need one per sparse block ({n_sparse})"
                 f" or one per block ({len(layout)})"
             )
-    per_token = 2 * cfg.d_model * dtype_bytes
+    per_token = 2 * cfg.attn_kv_heads * cfg.attn_head_dim * dtype_bytes
     tokens = (len(layout) - n_sparse) * n_tokens + sum(f * n_tokens for f in fractions)
     return float(tokens * per_token)
 
@@ -188,7 +218,8 @@ def count(cfg: ModelConfig, context: int | None = None) -> Counts:
     d, V = cfg.d_model, cfg.vocab_size
     layout = cfg.block_layout
     total = active = 0.0
-    fwd = 2.0 * d * V  # LM head
+    lm_head = 2.0 * d * V
+    fwd = lm_head
     for letter in layout:
         p_total, p_active = block_params(cfg, letter)
         total += p_total
@@ -204,13 +235,15 @@ def count(cfg: ModelConfig, context: int | None = None) -> Counts:
         flops_forward=fwd,
         flops_train=3.0 * fwd,
         context=T,
+        flops_lm_head=lm_head,
     )
 
 
 def head_fraction(cfg: ModelConfig, context: int | None = None) -> float:
     """The LM head's share of training FLOPs per token. Where it is large, a
     FLOP-matched comparison mostly compares two heads: studies bound it."""
-    return 2.0 * cfg.d_model * cfg.vocab_size / count(cfg, context).flops_forward
+    counts = count(cfg, context)
+    return counts.flops_lm_head / counts.flops_forward
 
 
 def flop_match(

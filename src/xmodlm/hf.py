@@ -73,6 +73,9 @@ class XModConfig(PretrainedConfig):
         vocab_size: int = 4096,
         hidden_size: int = 256,
         num_attention_heads: int = 4,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
         intermediate_size: int = 704,
         max_position_embeddings: int = 256,
         layout: str = "DDDDDDDD",
@@ -94,6 +97,10 @@ class XModConfig(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_hidden_layers = len(layout)
         self.num_attention_heads = num_attention_heads
+        # grouped queries and a free head dim; unset (exports before them): multi-head
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.qk_norm = qk_norm
         self.intermediate_size = intermediate_size
         self.max_position_embeddings = max_position_embeddings
         self.layout = layout
@@ -143,21 +150,32 @@ def _rotary(
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-    """SDPA over (B, H, T, K); ``mask``: True = may attend (replaces ``causal``)."""
+    """SDPA of (B, H, T, K) queries over (B, G, T, K) keys and values, each key/value
+    head shared by H / G query heads; ``mask``: True = may attend (replaces ``causal``)."""
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" \
             and k.shape[-2] <= CPU_FP32_ATTENTION_MAX_KEYS:
         return _attend(q.float(), k.float(), v.float(), mask, causal).to(q.dtype)
+    gqa = q.shape[1] != k.shape[1]
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class _Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    """Grouped-query attention: one fused projection whose rows are the queries
+    (n_heads heads), keys and values (n_kv_heads each); optional RMSNorm of each query
+    and key head (one gain of head_dim each) before rotary."""
+
+    def __init__(self, config: XModConfig) -> None:
         super().__init__()
-        self.n_heads, self.head_dim = n_heads, d_model // n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.proj = nn.Linear(d_model, d_model, bias=False)
+        d, hd = config.hidden_size, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, hd)
+        q_dim, kv_dim = self.n_heads * hd, self.n_kv_heads * hd
+        self.qkv = nn.Linear(d, q_dim + 2 * kv_dim, bias=False)
+        self.proj = nn.Linear(q_dim, d, bias=False)
+        self.q_norm = _RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = _RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -166,12 +184,15 @@ class _Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(output, new keys, new values); ``past``: cached (keys, values) attended first."""
         B, T, _ = x_BTD.shape
-        qkv = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim)
-        qk = qkv[:, :, :2].permute(2, 0, 3, 1, 4)  # (2, B, H, T, K)
-        c = cos.unsqueeze(1).unsqueeze(0).to(qkv.dtype)
-        s = sin.unsqueeze(1).unsqueeze(0).to(qkv.dtype)
-        rot = qk * c + qk.roll(self.head_dim // 2, -1) * s
-        q, k, v = rot[0], rot[1], qkv[:, :, 2].transpose(1, 2)
+        H, G, K = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x_BTD).split((H * K, G * K, G * K), -1)
+        q, k, v = q.view(B, T, H, K), k.view(B, T, G, K), v.view(B, T, G, K)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        c, s = cos.unsqueeze(2).to(q.dtype), sin.unsqueeze(2).to(q.dtype)  # (B, T, 1, K)
+        q = (q * c + q.roll(K // 2, -1) * s).transpose(1, 2)
+        k = (k * c + k.roll(K // 2, -1) * s).transpose(1, 2)
+        v = v.transpose(1, 2)
         keys, values = (k, v) if past is None else (torch.cat((past[0], k), 2),
                                                     torch.cat((past[1], v), 2))
         y = _attend(q, keys, values, mask, causal)
@@ -227,7 +248,7 @@ class _Block(nn.Module):
         super().__init__()
         d = config.hidden_size
         self.norm1 = _RMSNorm(d, config.rms_norm_eps)
-        self.attn = _Attention(d, config.num_attention_heads)
+        self.attn = _Attention(config)
         self.norm2 = _RMSNorm(d, config.rms_norm_eps)
         self.mlp = (_MoE(d, config.expert_intermediate_size, config.num_experts,
                          config.num_experts_per_tok) if moe
@@ -332,7 +353,8 @@ def _mask(
 
 class _LayerCache:
     """One layer's keys and values of the tokens it processed, packed per sequence:
-    (B, H, capacity, K), ``length`` tokens held per row; capacity doubles when full."""
+    (B, G, capacity, K) over the G key/value heads, ``length`` tokens held per row;
+    capacity doubles when full."""
 
     def __init__(self, batch: int) -> None:
         self.k: torch.Tensor | None = None
@@ -491,8 +513,7 @@ class XModForCausalLM(PreTrainedModel, GenerationMixin):
                 " (max_position_embeddings): shorten the prompt or max_new_tokens"
             )
         x = self.embed(input_ids)
-        cos, sin = _rotary(pos_BT, self.config.hidden_size // self.config.num_attention_heads,
-                           self.config.rope_theta, x.dtype)
+        cos, sin = _rotary(pos_BT, self.config.head_dim, self.config.rope_theta, x.dtype)
         for i, layer in enumerate(self.blocks):
             x = layer(x, valid_BT, cos, sin, None if cache is None else cache.layers[i])
         logits = self.head(self.norm(x)).float()

@@ -85,6 +85,8 @@ def format_info(info: dict[str, Any]) -> str:
             f"  params active (N_ae){info['params_active']:>14,.0f}",
             f"  FLOPs/token fwd     {f['forward']:>14,.0f}   train {f['train']:,.0f}"
             f"   (context {info['context']})",
+            f"  FLOPs/token LM head {f['lm_head']:>14,.0f}   fwd without it"
+            f" {f['forward'] - f['lm_head']:,.0f} (the paper's Table 6 count)",
             f"  active depth {info['active_depth']:.3g} of {info['n_layers']}"
             f"  (expansion ratio rho = {info['expansion_ratio']:.3g})",
             *(

@@ -73,7 +73,9 @@ def model_card(run: Path, cfg: Config, model: Any, config: dict[str, Any]) -> st
         "",
         *_table([
             ("layout (D dense, s sparse, E MoE)", f"`{m.block_layout}`"),
-            ("blocks", m.num_blocks), ("width", m.d_model), ("heads", m.n_heads),
+            ("blocks", m.num_blocks), ("width", m.d_model),
+            ("heads", f"{m.n_heads} query / {m.attn_kv_heads} key-value of {m.attn_head_dim}"
+                      + (", QK-norm" if m.qk_norm else "")),
             ("MLP width", m.ffn_dim if "E" not in m.block_layout else
              f"{m.n_experts} experts of {m.expert_dim}, top {m.moe_top_k}"),
             ("context", m.context), ("vocabulary", f"{m.vocab_size} (tokenizer"

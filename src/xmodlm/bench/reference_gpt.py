@@ -101,7 +101,7 @@ class ReferenceGPT(nn.Module):
         self.blocks = nn.ModuleList(RefBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RefRMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        K = cfg.head_dim
+        K = cfg.attn_head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, K, 2, dtype=torch.float32) / K))
         angles = torch.outer(torch.arange(cfg.context, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", angles.cos(), persistent=False)

@@ -34,7 +34,10 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: bool = False) -> None:
         super().__init__()
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg.d_model, cfg.n_heads)
+        self.attn = Attention(
+            cfg.d_model, cfg.n_heads, cfg.attn_kv_heads, cfg.attn_head_dim, cfg.qk_norm,
+            cfg.norm_eps,
+        )
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp: nn.Module
         if moe:
@@ -76,9 +79,10 @@ class Block(nn.Module):
         """The branch with attention supplied by the caller: (a, f, k, v), its
         attention and MLP contributions and the keys and values.
 
-        ``attend(q, k, v)`` gets this block's rotated queries, keys and values
-        (B, H, T, hd) and returns the attention output; incremental decoding uses it
-        to attend over cached keys, and stores the returned ``k``, ``v``.
+        ``attend(q, k, v)`` gets this block's rotated queries (B, H, T, hd), keys and
+        values (B, G, T, hd: its key/value heads) and returns the attention output;
+        incremental decoding uses it to attend over cached keys, and stores the
+        returned ``k``, ``v``.
         """
         q, k, v = self.attn.project_qkv(self.norm1(x_BTD, matmul_dtype(x_BTD)), cos, sin)
         a = self.attn.output(attend(q, k, v))

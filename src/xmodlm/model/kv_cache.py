@@ -1,8 +1,10 @@
 """A key/value cache that is sparse where the model is.
 
 Every block keeps one preallocated buffer of keys and values,
-``(B, H, capacity, head_dim)`` each, the original position of every cached
-token, ``(B, capacity)`` int32, and a per-sequence fill length. Keys are stored
+``(B, G, capacity, head_dim)`` each (G = n_kv_heads: grouped queries share
+them, so the cache is n_kv_heads / n_heads of a multi-head one), the original
+position of every cached token, ``(B, capacity)`` int32, and a per-sequence
+fill length. Keys are stored
 with their rotary rotation already applied, at the token's *original* position,
 so attention over a block's cache needs nothing but the buffer.
 
@@ -31,9 +33,9 @@ Either way :meth:`KVCache.bytes_used` counts the bytes holding cached tokens
 (keys and values of ``sum_b length_b`` tokens per block) and
 :meth:`KVCache.bytes_allocated` the bytes of the buffers as allocated. Both
 count keys and values only; positions add 4 bytes per slot
-(:meth:`KVCache.bytes_positions`), i.e. ``2 / (d_model * dtype_bytes)`` of the
-KV bytes. :func:`xmodlm.flops.kv_bytes_formula` is the analytic count that
-``bytes_used`` must equal.
+(:meth:`KVCache.bytes_positions`), i.e. ``2 / (n_kv_heads * head_dim *
+dtype_bytes)`` of the KV bytes. :func:`xmodlm.flops.kv_bytes_formula` is the
+analytic count that ``bytes_used`` must equal.
 
 Decoding appends one token per step to the sequences that a block processes:
 every sequence for anchor, dense and MoE blocks, the routed ones for a sparse
@@ -65,7 +67,7 @@ def sparse_initial_capacity(capacity: float, max_len: int, slack: float = DEFAUL
 class BlockCache:
     """Keys, values and positions of one block, for a batch of sequences.
 
-    ``k``/``v``: (B, H, capacity, K); ``pos``: (B, capacity) int32 original
+    ``k``/``v``: (B, G, capacity, K), G the key/value heads; ``pos``: (B, capacity) int32 original
     positions; ``length``: (B,) tokens held per sequence (on the device, for
     masks) mirrored in ``lengths`` (a host list, for sizes, so that no step
     needs a device sync to know them).
@@ -74,7 +76,7 @@ class BlockCache:
     def __init__(
         self,
         batch: int,
-        n_heads: int,
+        n_kv_heads: int,
         head_dim: int,
         capacity: int,
         max_len: int,
@@ -86,7 +88,7 @@ class BlockCache:
         self.sparse = sparse
         self.max_len = max_len
         self.n_grows = 0
-        self.k = torch.zeros(batch, n_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.pos = torch.zeros(batch, capacity, dtype=torch.int32, device=device)
         self.length = torch.zeros(batch, dtype=torch.long, device=device)
@@ -261,9 +263,9 @@ class KVCache:
             cap = max_len
             if sparse and sparse_alloc == "expected":
                 cap = sparse_initial_capacity(cfg.depth.capacity, max_len, slack)
-            self.blocks.append(
-                BlockCache(batch, cfg.n_heads, cfg.head_dim, cap, max_len, sparse, dtype, device)
-            )
+            self.blocks.append(BlockCache(
+                batch, cfg.attn_kv_heads, cfg.attn_head_dim, cap, max_len, sparse, dtype, device
+            ))
 
     def bytes_used(self) -> int:
         """Bytes of keys and values actually holding cached tokens."""

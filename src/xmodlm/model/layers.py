@@ -153,27 +153,65 @@ class _RotaryQKVFn(torch.autograd.Function):
 
 
 class Attention(nn.Module):
-    """Multi-head causal self-attention over whatever tokens it is given.
+    """Causal self-attention over whatever tokens it is given, with grouped queries.
+
+    ``n_heads`` query heads share ``n_kv_heads`` key/value heads in equal groups
+    (0: as many as query heads, plain multi-head), each ``head_dim`` wide (0:
+    d_model // n_heads), so the KV cache holds n_kv_heads / n_heads of what
+    multi-head attention would. ``qk_norm``: an RMSNorm over each query and key
+    head before rotary (a gain of head_dim shared by the heads, as in Qwen3),
+    which keeps attention logits bounded as training goes on.
+
+    The projection is one fused matmul whose rows are the queries, then the keys,
+    then the values: with n_kv_heads = n_heads and the default head dim it is the
+    (3 d, d) weight of plain multi-head attention, same shape, same init draws.
 
     Causality is by order in the given sequence. Gathered tokens are sorted by
     original position, so causal order over them is causal order over the
     original positions restricted to the selected tokens.
     """
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int, n_kv_heads: int = 0, head_dim: int = 0,
+        qk_norm: bool = False, eps: float = 1e-6,
+    ) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.head_dim = d_model // n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.n_kv_heads = n_kv_heads or n_heads
+        self.head_dim = head_dim or d_model // n_heads
+        q_dim, kv_dim = n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.qkv = nn.Linear(d_model, q_dim + 2 * kv_dim, bias=False)
+        self.proj = nn.Linear(q_dim, d_model, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
 
     def project_qkv(
         self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys, values as (B, H, T, K), rotary already applied."""
+        """Queries (B, H, T, K), keys and values (B, G, T, K), rotary already applied.
+
+        Plain multi-head attention takes the fused one-node path
+        (:class:`_RotaryQKVFn`); grouped heads or QK-norm split the projection and
+        rotate queries and keys apart, bit for bit the same rotation."""
         B, T, _ = x_BTD.shape
-        qkv = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim)
-        return _RotaryQKVFn.apply(qkv, cos, sin)
+        qkv_BTF = self.qkv(x_BTD)
+        if self.n_kv_heads == self.n_heads and self.q_norm is None:
+            return _RotaryQKVFn.apply(qkv_BTF.view(B, T, 3, self.n_heads, self.head_dim), cos, sin)
+        return self.split_heads(qkv_BTF, cos, sin)
+
+    def split_heads(
+        self, qkv_BTF: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The general path of :meth:`project_qkv`, from the fused projection's output."""
+        B, T, _ = qkv_BTF.shape
+        H, G, K = self.n_heads, self.n_kv_heads, self.head_dim
+        q_BTHK, k_BTGK, v_BTGK = qkv_BTF.split((H * K, G * K, G * K), -1)
+        q_BTHK, k_BTGK = q_BTHK.view(B, T, H, K), k_BTGK.view(B, T, G, K)
+        if self.q_norm is not None:
+            q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
+        q = apply_rotary(q_BTHK, cos, sin).transpose(1, 2).contiguous()
+        k = apply_rotary(k_BTGK, cos, sin).transpose(1, 2).contiguous()
+        return q, k, v_BTGK.view(B, T, G, K).transpose(1, 2).contiguous()
 
     def output(self, y_BHTK: torch.Tensor) -> torch.Tensor:
         B, H, T, K = y_BHTK.shape
@@ -203,8 +241,9 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask: torch.Tensor | None = None, causal: bool = False,
 ) -> torch.Tensor:
-    """Scaled dot-product attention over (B, H, T, K) tensors: the one call every
-    block (dense, routed, cached) makes. ``mask`` (True = may attend, broadcast to
+    """Scaled dot-product attention of (B, H, T, K) queries over (B, G, T, K) keys and
+    values (G divides H: grouped queries): the one call every block (dense, routed,
+    cached) makes. ``mask`` (True = may attend, broadcast to
     (B, H, Tq, Tk)) replaces ``causal``.
 
     bf16 attention over at most :data:`CPU_FP32_ATTENTION_MAX_KEYS` keys on a CPU
@@ -214,9 +253,13 @@ def attention(
         with torch.autocast("cpu", enabled=False):  # CPU autocast would cast SDPA back to bf16
             y = attention(q.float(), k.float(), v.float(), mask, causal)
         return y.to(q.dtype)
+    # grouped queries (fewer key/value heads): SDPA's flash kernels share each key/value
+    # head over its group themselves, with no repeated copy of the keys and values; on
+    # a CPU as fast as repeating them first (fwd+bwd, bf16, 8 over 2 heads, T 256)
+    gqa = q.shape[1] != k.shape[1]
     if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
 class _SiluMulFn(torch.autograd.Function):

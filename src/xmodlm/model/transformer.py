@@ -52,7 +52,7 @@ class Transformer(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        self.rope = Rotary(cfg.head_dim, cfg.context, cfg.rope_theta)
+        self.rope = Rotary(cfg.attn_head_dim, cfg.context, cfg.rope_theta)
         self.windows = stages(self.layout)  # the sparse blocks of each stage
         # every auxiliary loss's weight, as declared by the blocks that return it;
         # depth-wise balancing spans a window of blocks, so the stack declares it

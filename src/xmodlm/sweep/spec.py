@@ -205,6 +205,8 @@ ID_NEUTRAL = {
     # the paper's (K, A, N0) construction: unused while active_layers is 0
     ("model", "sparsity"): 1.0, ("model", "anchor_stride"): 1.0, ("model", "dense_prefix"): 4,
     ("model", "active_layers"): 0.0, ("model", "anchors"): True, ("model", "gate_scope"): "block",
+    # attention shape: plain multi-head at d_model // n_heads, no QK-norm
+    ("model", "n_kv_heads"): 0, ("model", "head_dim"): 0, ("model", "qk_norm"): False,
 }
 
 
