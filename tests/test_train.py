@@ -178,11 +178,11 @@ def test_fsdp_two_ranks_match_one_rank_and_resume(tiny_data_dir: Path, tmp_path:
     )
     # the optimiser layouts differ: a sharded checkpoint does not resume unsharded
     with pytest.raises(UserError, match="resume with train.fsdp=true"):
-        from xmodlm.train.trainer import _load_optimizer
+        from xmodlm.train.distributed import load_optimizer
 
         state = ckpt_io.load_state(checkpoint_dirs(tmp_path / "two")[-1])
         opt = torch.optim.AdamW(model.parameters())
-        _load_optimizer(model, opt, state["optimizer"], sharded=False)
+        load_optimizer(model, opt, state["optimizer"], sharded=False)
 
 
 def test_grad_accum_matches_one_big_batch(tiny_data_dir: Path, tmp_path: Path) -> None:
@@ -375,3 +375,34 @@ def test_clip_and_step_equals_clip_then_step(
     before = [p.detach().clone() for p in params]
     assert not math.isfinite(clip_and_step(opt, params, max_norm))  # no step taken
     assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+
+
+def test_after_optimizer_step_hook_runs_once_per_taken_step() -> None:
+    """The model's after_optimizer_step() runs after each step taken, not a skipped one,
+    and is found through the compile wrapper."""
+    from types import SimpleNamespace
+
+    from xmodlm.train.distributed import unwrap
+    from xmodlm.train.trainer import train_step
+
+    class Counting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> SimpleNamespace:
+            loss = (self.w * x).sum() * y
+            return SimpleNamespace(loss=loss, total_loss=loss, aux={})
+
+        def after_optimizer_step(self) -> None:
+            self.calls += 1
+
+    model = Counting()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    good = lambda _: (torch.ones(3), torch.tensor(1.0))  # noqa: E731
+    bad = lambda _: (torch.full((3,), 1e38), torch.tensor(1e38))  # noqa: E731
+    for batch in (good, good, bad):
+        train_step(model, opt, batch, 1, dtype="fp32", grad_clip=1.0, device=torch.device("cpu"))
+    assert model.calls == 2
+    assert unwrap(torch.compile(model)) is model

@@ -6,24 +6,20 @@ and, on success, ``summary.json``. Calling it again on the same directory
 resumes from the newest checkpoint that loads. Batches are a pure function of
 (seed, step), so a resumed run continues exactly as an uninterrupted one would.
 
-Distributed: when ``WORLD_SIZE > 1`` (as set by ``torchrun``) the model is
-wrapped in DDP (gloo on CPU, NCCL on GPU), or sharded with FSDP2 when
-``train.fsdp`` is set; each rank reads its slice of the global batch; only rank
-0 writes. Sharded checkpoints hold full (gathered) weights, so any process can
-load them, and the optimiser state keyed by parameter name.
+Distributed (``torchrun``): each rank reads its slice of the global batch; only
+rank 0 writes; the wrapping (DDP, FSDP2, compilation) and the sharded checkpoint
+state live in :mod:`xmodlm.train.distributed`.
 
-About 640 lines, kept whole: the loop, its training step (which the bench times
-too) and the run-directory, restore, sharding and checkpoint helpers only the loop
-calls share the run's state (ranks, the wrapped model, the optimiser); reading a
-finished run lives in :mod:`xmodlm.runs`.
+The loop, its training step (which the bench times too) and the run-directory,
+restore and checkpoint helpers only the loop calls share the run's state (ranks,
+the wrapped model, the optimiser); reading a finished run lives in
+:mod:`xmodlm.runs`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import re
 import shutil
 import signal
 import sys
@@ -62,49 +58,20 @@ from xmodlm.info import check_memory
 from xmodlm.model import Transformer
 from xmodlm.record import config_row
 from xmodlm.train import checkpoint as ckpt_io
+from xmodlm.train.distributed import (
+    Dist,
+    compiles,
+    gather_full_state,
+    load_optimizer,
+    setup_distributed,
+    shard,
+    sharded_loader,
+    unwrap,
+    wrap,
+)
 from xmodlm.train.lock import run_lock
 from xmodlm.train.loggers import MetricLogger, check_trackers
 from xmodlm.train.optim import build_optimizer, clip_and_step, lr_at
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device_name: str) -> Dist:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1)."""
-    world = _env_rank("WORLD_SIZE", "1", low=1)
-    if world <= 1:
-        return Dist()
-    if "RANK" not in os.environ:
-        raise UserError(
-            f"WORLD_SIZE={world} but RANK is not set: launch with torchrun, which sets both"
-            " (or unset WORLD_SIZE to train in one process)"
-        )
-    rank, local = _env_rank("RANK", "0", high=world - 1), _env_rank("LOCAL_RANK", "0")
-    if not dist.is_initialized():
-        use_nccl = torch.cuda.is_available() and device_name != "cpu"
-        if use_nccl:
-            torch.cuda.set_device(local)
-        dist.init_process_group(backend="nccl" if use_nccl else "gloo")
-    return Dist(rank, world, local)
-
-
-def _env_rank(name: str, default: str, low: int = 0, high: int | None = None) -> int:
-    """An integer the launcher put in the environment, checked (a typo there would
-    otherwise surface as a ValueError from deep in the start of training)."""
-    text = os.environ.get(name, default).strip()
-    if not re.fullmatch(r"\d+", text) or int(text) < low or (high is not None and int(text) > high):
-        bound = f"{low}..{high}" if high is not None else f">= {low}"
-        raise UserError(f"environment variable {name}={text!r}: must be an integer {bound}")
-    return int(text)
 
 
 @dataclass
@@ -240,10 +207,10 @@ def _restore(
     for left, ckpt in reversed(list(enumerate(ckpts))):
         try:
             runs.load_model_weights(
-                ckpt, model, load=_sharded_loader(model) if sharded else None
+                ckpt, model, load=sharded_loader(model) if sharded else None
             )
             state = ckpt_io.load_state(ckpt)
-            _load_optimizer(model, opt, state["optimizer"], sharded)
+            load_optimizer(model, opt, state["optimizer"], sharded)
         except (UserError, KeyError, ValueError) as err:
             if left:  # the last failure is the error below, not a note
                 log(f"checkpoint {ckpt} is unusable ({err}); trying the previous one")
@@ -260,45 +227,6 @@ def _restore(
             f" ({first_error}): rerun with --restart to train it from step 0"
         )
     return None
-
-
-def _sharded_loader(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], Any]:
-    """Every rank holds the full weights (read from the file); each keeps its shard."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    def load(weights: dict[str, torch.Tensor]) -> Any:
-        return set_model_state_dict(
-            model, weights, options=StateDictOptions(full_state_dict=True, strict=True)
-        )
-
-    return load
-
-
-def _load_optimizer(
-    model: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any], sharded: bool
-) -> None:
-    """Optimiser state: by parameter index (one process, DDP) or by name (FSDP2, full).
-
-    The two layouts are not interchangeable; a run resumes with the parallelism
-    it was saved with.
-    """
-    by_name = any(isinstance(k, str) for k in saved.get("state", {}))
-    if by_name != sharded:
-        raise UserError(
-            f"optimizer state was saved {'with' if by_name else 'without'} train.fsdp:"
-            f" resume with train.fsdp={str(by_name).lower()}"
-        )
-    if not sharded:
-        opt.load_state_dict(saved)
-        return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_optimizer_state_dict,
-    )
-
-    set_optimizer_state_dict(
-        model, opt, saved, options=StateDictOptions(full_state_dict=True)
-    )
 
 
 def train(
@@ -369,11 +297,11 @@ def train(
         model = Transformer(cfg.model).to(device)
         sharded = ddp.world_size > 1 and t.fsdp
         if sharded:
-            _shard(model)  # before the optimiser: FSDP2 replaces the parameters
+            shard(model)  # before the optimiser: FSDP2 replaces the parameters
         opt = build_optimizer(model, t)
         state = _restore(run, model, opt, logger.note, sharded, restart) or TrainState()
         logger.truncate_after(state.step)
-        wrapped = _wrap(model, cfg, ddp, device)
+        wrapped = wrap(model, cfg, ddp, device)
         counts = flops.count(cfg.model)
         dtype = resolve_dtype(t.dtype, device)
         peak = matmul_peak_gflops(dtype, device.type) * 1e9 * ddp.world_size
@@ -476,39 +404,6 @@ def _echo(
     )
 
 
-def _shard(model: Transformer) -> None:
-    """FSDP2, in place: each block is one unit (gathered for its forward, resharded
-    after), the root holds the embedding, tied head and final norm."""
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-
-
-def _wrap(model: Transformer, cfg: Config, ddp: Dist, device: torch.device) -> nn.Module:
-    """Apply data parallelism (unless already sharded) and compilation from outside the model."""
-    wrapped: nn.Module = model
-    if ddp.world_size > 1 and not cfg.train.fsdp:  # FSDP2: sharded by _shard already
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            # MoE experts may receive no token in a step
-            find_unused_parameters="E" in model.layout,
-        )
-    if compiles(cfg, device):
-        wrapped = torch.compile(wrapped)
-    return wrapped
-
-
-def compiles(cfg: Config, device: torch.device) -> bool:
-    """Whether training compiles the model: ``train.compile=on``, or ``auto`` on a GPU."""
-    mode = cfg.train.compile
-    return mode == "on" or (mode == "auto" and device.type == "cuda")
-
-
 def _train_step(
     model: nn.Module,
     opt: torch.optim.Optimizer,
@@ -574,10 +469,26 @@ def train_step(
     if math.isfinite(loss):
         grad_norm = clip_and_step(opt, list(model.parameters()), grad_clip)
         record["grad_norm"] = grad_norm
-        if not math.isfinite(grad_norm):  # overflowing gradients: skipped like a NaN loss
+        if math.isfinite(grad_norm):
+            after_optimizer_step(model)
+        else:  # overflowing gradients: skipped like a NaN loss
             record["loss"] = float("nan")
     opt.zero_grad(set_to_none=True)
     return record
+
+
+def after_optimizer_step(model: nn.Module) -> None:
+    """Call the unwrapped model's ``after_optimizer_step()``, if it has one, once after
+    every optimiser step that was taken (not after a skipped one).
+
+    The one place where the model may adjust state that is not trained by gradients
+    (an MoE's loss-free per-expert bias nudged by the step's expert loads, say) in
+    step with the weights. The trainer knows no such state: the model's method
+    does the work, on every rank alike.
+    """
+    hook = getattr(unwrap(model), "after_optimizer_step", None)
+    if callable(hook):
+        hook()
 
 
 def _save(
@@ -593,15 +504,7 @@ def _save(
     weights: nn.Module | dict[str, torch.Tensor] = model
     optimizer: dict[str, Any] | None = None
     if sharded:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(model, options=full)
-        optimizer = get_optimizer_state_dict(model, opt, options=full)
+        weights, optimizer = gather_full_state(model, opt)
     if not ddp.is_main:
         return
     payload = {
