@@ -65,8 +65,11 @@ def _train_and_kill(cfg_yaml: str, run: str, kill_at: int) -> None:
     train(cfg, run, progress=False, on_step=on_step)
 
 
-def test_resume_after_hard_kill_is_exact(tiny_data_dir: Path, tmp_path: Path) -> None:
-    cfg = small_cfg(tiny_data_dir, "train.max_steps=40", "train.ckpt_every=20")
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_after_hard_kill_is_exact(tiny_data_dir: Path, tmp_path: Path, optimizer: str) -> None:
+    cfg = small_cfg(
+        tiny_data_dir, "train.max_steps=40", "train.ckpt_every=20", f"train.optimizer={optimizer}"
+    )
     straight = tmp_path / "straight"
     train(cfg, straight, progress=False)
 
@@ -111,11 +114,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_two_ranks_match_one_rank(tiny_data_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_ddp_two_ranks_match_one_rank(tiny_data_dir: Path, tmp_path: Path, optimizer: str) -> None:
     """2 gloo ranks x batch 2 == 1 rank x batch 4 (same global batch), loss within 1e-5."""
-    one = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=4")
+    opt = f"train.optimizer={optimizer}"
+    one = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=4", opt)
     train(one, tmp_path / "one", progress=False)
-    two = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=2")
+    two = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=2", opt)
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [
@@ -147,14 +152,19 @@ def _launch(world: int, cfg: Config, run: Path) -> None:
     assert all(p.exitcode == 0 for p in procs)
 
 
-def test_fsdp_two_ranks_match_one_rank_and_resume(tiny_data_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fsdp_two_ranks_match_one_rank_and_resume(
+    tiny_data_dir: Path, tmp_path: Path, optimizer: str
+) -> None:
     """FSDP2 on 2 gloo ranks: same losses as one process, a checkpoint any process can
-    load, and an exact resume across a restart (sharded save and load)."""
-    one = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=4")
+    load, and an exact resume across a restart (sharded save and load). Muon gathers
+    each sharded matrix, so its update is the unsharded one."""
+    opt = f"train.optimizer={optimizer}"
+    one = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=4", opt)
     train(one, tmp_path / "one", progress=False)
     two = small_cfg(
         tiny_data_dir, "train.max_steps=5", "train.batch_size=2", "train.fsdp=true",
-        "train.ckpt_every=3", "train.keep_last=2",
+        "train.ckpt_every=3", "train.keep_last=2", opt,
     )
     _launch(2, two, tmp_path / "two")
     straight = _losses(tmp_path / "two")

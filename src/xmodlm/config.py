@@ -161,13 +161,18 @@ class DataConfig:
             raise UserError(f"data.val_batches={self.val_batches}: must be an integer >= 1")
 
 
+OPTIMIZERS = ("adamw", "muon")
+
+
 @dataclass
 class TrainConfig:
     """Optimisation, budget, schedule, precision, logging and checkpoints."""
 
     seed: int = 0
-    batch_size: int = 16  # sequences per micro-batch (per rank)
+    batch_size: int = 16  # sequences per micro-batch (per rank); with batch_tokens, its cap
     grad_accum: int = 1
+    # > 0: tokens per optimiser step at any context (batch x grad_accum x ranks derived)
+    batch_tokens: int = 0
     # budget: max_steps caps everything; else tokens; else compute C (FLOPs) -> D = C / F
     max_steps: int = 0
     tokens: int = 0
@@ -175,12 +180,20 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
+    warmup_frac: float = 0.0  # > 0: warmup is this fraction of the run's steps (replaces warmup_steps)
     schedule: str = "cosine"  # cosine | wsd | constant
     cooldown_frac: float = 0.2  # wsd: fraction of steps in the final linear decay
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    # adamw | muon (Muon on hidden weight matrices, AdamW on the rest: docs/training.md)
+    optimizer: str = "adamw"
+    adamw_lr: float = 0.0  # muon: peak lr of the AdamW-trained parameters; 0 = train.lr
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_rms_match: float = 0.2  # update RMS = this x learning rate (AdamW's typical RMS)
     dtype: str = "auto"  # autocast dtype; auto: bf16 where the hardware has it, else fp32
     compile: str = "off"  # auto | on | off
     device: str = "auto"  # auto | cpu | cuda
@@ -202,22 +215,51 @@ class TrainConfig:
         if self.seed < 0:
             raise UserError(f"train.seed={self.seed}: must be an integer >= 0")
         _choice(self, "schedule", SCHEDULES)
+        _choice(self, "optimizer", OPTIMIZERS)
         _choice(self, "dtype", DTYPES)
         _choice(self, "compile", COMPILE_MODES)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise UserError(f"train.device={self.device!r}: must be one of auto, cpu, cuda")
-        for key in ("max_steps", "tokens", "compute", "warmup_steps", "lr", "weight_decay"):
+        for key in ("max_steps", "tokens", "compute", "warmup_steps", "lr", "weight_decay",
+                    "adamw_lr", "batch_tokens"):
             if getattr(self, key) < 0:
                 raise UserError(f"train.{key}={getattr(self, key)}: must be >= 0")
         if not (0.0 <= self.cooldown_frac <= 1.0):
             raise UserError(f"train.cooldown_frac={self.cooldown_frac}: must be in [0, 1]")
         if not (0.0 <= self.min_lr_ratio <= 1.0):
             raise UserError(f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
-        for key in ("beta1", "beta2"):
+        for key in ("beta1", "beta2", "muon_momentum"):
             if not (0.0 <= getattr(self, key) < 1.0):
                 raise UserError(
-                    f"train.{key}={getattr(self, key)}: must be in [0, 1) (an AdamW moment decay)"
+                    f"train.{key}={getattr(self, key)}: must be in [0, 1) (a momentum decay)"
                 )
+        if not (0.0 <= self.warmup_frac < 1.0):
+            raise UserError(
+                f"train.warmup_frac={self.warmup_frac}: must be in [0, 1) (0: use warmup_steps)"
+            )
+        if not (1 <= self.muon_ns_steps <= 20):
+            raise UserError(
+                f"train.muon_ns_steps={self.muon_ns_steps}: must be an integer in 1..20"
+                " (Newton-Schulz iterations; 5 is the usual)"
+            )
+        if self.muon_rms_match <= 0.0:
+            raise UserError(
+                f"train.muon_rms_match={self.muon_rms_match}: must be > 0 (the update's RMS"
+                " relative to the learning rate; 0.2 matches AdamW)"
+            )
+        if self.batch_tokens > 0 and self.grad_accum != 1:
+            raise UserError(
+                f"train.grad_accum={self.grad_accum} with train.batch_tokens: grad_accum is derived"
+                " from batch_tokens, leave it at 1 (train.batch_size caps the micro-batch)"
+            )
+
+    def warmup(self, total_steps: int) -> int:
+        """Warmup steps of a run of ``total_steps``: ``warmup_frac`` of them (rounded up)
+        when set, else ``warmup_steps``. The paper warms up over 1% of each run, which
+        keeps the schedule's shape across budgets; a fixed count does not."""
+        if self.warmup_frac > 0:
+            return math.ceil(self.warmup_frac * total_steps)
+        return self.warmup_steps
         if self.grad_clip <= 0.0:
             raise UserError(
                 f"train.grad_clip={self.grad_clip}: must be > 0 (the largest gradient norm;"
@@ -286,23 +328,28 @@ class Config:
 @dataclass
 class Budget:
     """How long a run trains: its optimiser steps, the tokens each step takes (on all
-    ranks) and which setting set them (max_steps, tokens or compute)."""
+    ranks) and which setting set them (max_steps, tokens or compute), and the batch
+    that makes a step: ``batch_size`` sequences per micro-batch, ``grad_accum``
+    micro-batches, per rank."""
 
     total_steps: int
     tokens_per_step: int
     source: str
+    batch_size: int = 1
+    grad_accum: int = 1
 
 
 def resolve_budget(cfg: Config, world_size: int) -> Budget:
-    """Steps from train.max_steps, else the token budget, else compute C (D = C / F).
-    Here, beside the settings it reads, because the trainer and a sweep's plan must
-    count the same steps."""
+    """Steps from train.max_steps, else the token budget, else compute C (D = C / F);
+    the batch from train.batch_tokens (:func:`step_batch`). Here, beside the settings
+    it reads, because the trainer and a sweep's plan must count the same steps."""
     from xmodlm import flops  # flops reads ModelConfig from this module
 
     t = cfg.train
-    per_step = t.batch_size * t.grad_accum * world_size * cfg.model.context
+    batch_size, grad_accum = step_batch(t, cfg.model.context, world_size)
+    per_step = batch_size * grad_accum * world_size * cfg.model.context
     if t.max_steps > 0:
-        return Budget(t.max_steps, per_step, "max_steps")
+        return Budget(t.max_steps, per_step, "max_steps", batch_size, grad_accum)
     if t.tokens > 0:
         tokens, source = float(t.tokens), "tokens"
     elif t.compute > 0:
@@ -317,7 +364,28 @@ def resolve_budget(cfg: Config, world_size: int) -> Budget:
             f"train.{source} gives {tokens:.3g} tokens, less than one batch of {per_step} tokens"
             " (batch_size x grad_accum x ranks x context): raise the budget or shrink the batch"
         )
-    return Budget(steps, per_step, source)
+    return Budget(steps, per_step, source, batch_size, grad_accum)
+
+
+def step_batch(t: TrainConfig, context: int, world_size: int) -> tuple[int, int]:
+    """(sequences per micro-batch, micro-batches) per rank for one optimiser step.
+
+    Without ``batch_tokens``: ``batch_size`` and ``grad_accum`` as given. With it, a
+    step holds ``batch_tokens / context`` sequences whatever the context (the paper
+    keeps about 2.5M tokens per step at every L), split evenly over the ranks; the
+    micro-batch is the largest divisor of a rank's share that is at most
+    ``batch_size`` (the memory cap), and ``grad_accum`` makes up the rest.
+    """
+    if t.batch_tokens <= 0:
+        return t.batch_size, t.grad_accum
+    per_rank, left = divmod(t.batch_tokens, context * world_size)
+    if left or not per_rank:
+        raise UserError(
+            f"train.batch_tokens={t.batch_tokens} is not a multiple of context x ranks ="
+            f" {context} x {world_size}: choose a multiple of {context * world_size}"
+        )
+    micro = max(d for d in range(1, min(t.batch_size, per_rank) + 1) if per_rank % d == 0)
+    return micro, per_rank // micro
 
 
 RESUME_FREE = frozenset({

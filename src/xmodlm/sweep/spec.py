@@ -401,7 +401,17 @@ def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
 # runs before them did in training: hashed only when set otherwise, so that a new
 # field never renames (and so reruns) the runs of a committed sweep.
 # model.causal_threshold changes only how a trained model routes at inference.
-ID_NEUTRAL = {("model", "causal_threshold"): "calibrated"}
+ID_NEUTRAL = {
+    ("model", "causal_threshold"): "calibrated",
+    ("train", "batch_tokens"): 0,
+    ("train", "warmup_frac"): 0.0,
+    ("train", "optimizer"): "adamw",
+    ("train", "adamw_lr"): 0.0,
+    ("train", "muon_momentum"): 0.95,
+    ("train", "muon_nesterov"): True,
+    ("train", "muon_ns_steps"): 5,
+    ("train", "muon_rms_match"): 0.2,
+}
 
 
 def run_id(cfg: Config) -> str:

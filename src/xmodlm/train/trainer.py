@@ -71,7 +71,7 @@ from xmodlm.train.distributed import (
 )
 from xmodlm.train.lock import run_lock
 from xmodlm.train.loggers import MetricLogger, check_trackers
-from xmodlm.train.optim import build_optimizer, clip_and_step, lr_at
+from xmodlm.train.optim import MuonAdamW, build_optimizer, clip_and_step, set_lr
 
 
 @dataclass
@@ -191,7 +191,7 @@ def _clear_run(run: Path, restart: bool) -> None:
 def _restore(
     run: Path,
     model: nn.Module,
-    opt: torch.optim.Optimizer,
+    opt: torch.optim.Optimizer | MuonAdamW,
     log: Callable[[str], None],
     sharded: bool = False,
     restart: bool = False,
@@ -298,12 +298,13 @@ def train(
         sharded = ddp.world_size > 1 and t.fsdp
         if sharded:
             shard(model)  # before the optimiser: FSDP2 replaces the parameters
-        opt = build_optimizer(model, t)
+        dtype = resolve_dtype(t.dtype, device)
+        # Muon's Newton-Schulz in the run's precision: bf16 runs fast, fp32 runs exact
+        opt = build_optimizer(model, t, torch.float32 if dtype == "fp32" else torch.bfloat16)
         state = _restore(run, model, opt, logger.note, sharded, restart) or TrainState()
         logger.truncate_after(state.step)
         wrapped = wrap(model, cfg, ddp, device)
         counts = flops.count(cfg.model)
-        dtype = resolve_dtype(t.dtype, device)
         peak = matmul_peak_gflops(dtype, device.type) * 1e9 * ddp.world_size
         if progress:
             logger.note(_echo(cfg, counts, budget, device, dtype, ddp, state.step, run))
@@ -322,10 +323,8 @@ def train(
         with stop.installed():
             while state.step < budget.total_steps:
                 t0 = time.perf_counter()
-                lr = lr_at(state.step, budget.total_steps, t)
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                record = _train_step(wrapped, opt, train_data, cfg, state.step, ddp, device)
+                lr = set_lr(opt, state.step, budget.total_steps, t)
+                record = _train_step(wrapped, opt, train_data, cfg, budget, state.step, ddp, device)
                 finite = math.isfinite(record["loss"])
                 if finite:
                     state.bad_steps = 0
@@ -376,7 +375,7 @@ def train(
             logger.note(f"interrupted at step {state.step}: checkpoint written, rerun to resume")
         logger.close()
         summary = _summary(
-            cfg, state, counts, status, budget, len(train_data), ddp.world_size, env["git_commit"],
+            cfg, state, counts, status, budget, len(train_data), env["git_commit"],
             dtype,
         )
         summary.update(cpu_kind=env["cpu_kind"] if device.type == "cpu" else
@@ -399,38 +398,40 @@ def _echo(
         f"{cfg.name}: {start} -> {budget.total_steps} steps ({budget.source}),"
         f" layout {m.block_layout} (d {m.d_model}, S {m.stride}, c {m.capacity:g}, T {m.context}),"
         f" {counts.params_total / 1e6:.3g}M params ({counts.params_active / 1e6:.3g}M active),"
-        f" {budget.tokens_per_step} tokens/step, lr {t.lr:g} {t.schedule}, seed {t.seed},"
+        f" {budget.tokens_per_step} tokens/step, {t.optimizer} lr {t.lr:g} {t.schedule}, seed {t.seed},"
         f" {device} x{ddp.world_size} {dtype}, compile {compile_}, run {run}"
     )
 
 
 def _train_step(
     model: nn.Module,
-    opt: torch.optim.Optimizer,
+    opt: torch.optim.Optimizer | MuonAdamW,
     data: Any,
     cfg: Config,
+    budget: Budget,
     step: int,
     ddp: Dist,
     device: torch.device,
 ) -> dict[str, Any]:
-    """One optimiser step of the run: its micro-batches are a pure function of (seed, step)."""
+    """One optimiser step of the run (its batch: ``budget``'s): its micro-batches are a
+    pure function of (seed, step)."""
     t = cfg.train
 
     def micro_batch(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         return get_batch(
-            data, t.batch_size, cfg.model.context, t.seed, step, ddp.rank, ddp.world_size,
-            micro, t.grad_accum,
+            data, budget.batch_size, cfg.model.context, t.seed, step, ddp.rank, ddp.world_size,
+            micro, budget.grad_accum,
         )
 
     return train_step(
-        model, opt, micro_batch, t.grad_accum, dtype=resolve_dtype(t.dtype, device),
+        model, opt, micro_batch, budget.grad_accum, dtype=resolve_dtype(t.dtype, device),
         grad_clip=t.grad_clip, device=device, world_size=ddp.world_size,
     )
 
 
 def train_step(
     model: nn.Module,
-    opt: torch.optim.Optimizer,
+    opt: torch.optim.Optimizer | MuonAdamW,
     micro_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     grad_accum: int,
     *,
@@ -494,7 +495,7 @@ def after_optimizer_step(model: nn.Module) -> None:
 def _save(
     run: Path,
     model: nn.Module,
-    opt: torch.optim.Optimizer,
+    opt: torch.optim.Optimizer | MuonAdamW,
     state: TrainState,
     cfg: Config,
     ddp: Dist,
@@ -524,7 +525,6 @@ def _summary(
     status: str,
     budget: Budget,
     train_tokens: int,
-    world_size: int,
     commit: str | None,
     dtype: str,
 ) -> dict[str, Any]:
@@ -544,8 +544,8 @@ def _summary(
         "flops": counts.flops_train * state.tokens,
         "seed": t.seed,
         "lr": t.lr,
-        "warmup_steps": t.warmup_steps,
-        "batch_tokens": t.batch_size * t.grad_accum * world_size * m.context,
+        "warmup_steps": t.warmup(budget.total_steps),
+        "batch_tokens": budget.tokens_per_step,
         "dtype": dtype,
         "epochs": state.tokens / train_tokens,
         "commit": commit,
