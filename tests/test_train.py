@@ -287,6 +287,42 @@ def test_schedules() -> None:
     assert lrs[50] == 1.0 and lrs[79] == 1.0 and lrs[-1] == pytest.approx(0.0)
 
 
+def test_warmup_frac_sets_warmup_from_the_run_length() -> None:
+    """The paper's schedule: 1% warmup, then cosine to 10% of the peak."""
+    t = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=50, warmup_frac=0.01)
+    assert t.warmup(1000) == 10 and t.warmup(150) == 2
+    lrs = [lr_at(s, 1000, t) for s in range(1000)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[11] < 1.0
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-4)
+    assert TrainConfig(warmup_steps=50).warmup(1000) == 50
+    with pytest.raises(UserError, match=r"train.warmup_frac=1.0: must be in \[0, 1\)"):
+        TrainConfig(warmup_frac=1.0).validate()
+
+
+def test_batch_tokens_fixes_tokens_per_step(tiny_data_dir: Path, tmp_path: Path) -> None:
+    """batch_tokens / context sequences per step, split over ranks; micro-batch the largest
+    divisor of a rank's share within batch_size; the same run as the explicit batch."""
+    from xmodlm.config import resolve_budget
+
+    cfg = small_cfg(tiny_data_dir, "train.max_steps=2", "train.batch_tokens=384")
+    for world, micro, accum in [(1, 4, 3), (2, 3, 2), (3, 4, 1), (4, 3, 1)]:
+        b = resolve_budget(cfg, world)
+        assert (b.batch_size, b.grad_accum, b.tokens_per_step) == (micro, accum, 384), world
+    longer = small_cfg(tiny_data_dir, "train.batch_tokens=384", "model.context=64", "train.tokens=3840")
+    assert resolve_budget(longer, 1).total_steps == 10  # 6 sequences of 64 a step
+    with pytest.raises(UserError, match="train.batch_tokens=384 is not a multiple of context x"
+                       " ranks = 32 x 5: choose a multiple of 160"):
+        resolve_budget(cfg, 5)
+    with pytest.raises(UserError, match="grad_accum is derived from batch_tokens"):
+        small_cfg(tiny_data_dir, "train.batch_tokens=384", "train.grad_accum=2").validate()
+    derived = small_cfg(tiny_data_dir, "train.max_steps=2", "train.batch_tokens=256")
+    explicit = small_cfg(tiny_data_dir, "train.max_steps=2", "train.grad_accum=2")
+    sa = train(derived, tmp_path / "derived", progress=False)
+    train(explicit, tmp_path / "explicit", progress=False)
+    assert _losses(tmp_path / "derived") == _losses(tmp_path / "explicit")
+    assert sa["batch_tokens"] == 256
+
+
 def test_run_dir_contents(tiny_data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     summary = train(small_cfg(tiny_data_dir, "train.max_steps=3"), run, progress=False)
