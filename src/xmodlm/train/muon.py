@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic: chosen for the steepest slope at zero, so that five steps
@@ -69,8 +68,10 @@ def orthogonalise(g: torch.Tensor, steps: int, dtype: torch.dtype, eps: float = 
 def _orthogonalise_whole(u: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
     """:func:`orthogonalise` of the whole matrix, also when ``u`` is a DTensor shard
     (FSDP2): gathered once, orthogonalised on every rank alike, this rank's shard kept."""
-    if not isinstance(u, DTensor):
+    if type(u).__name__ != "DTensor":  # (torch.distributed may be absent: no import)
         return orthogonalise(u, steps, dtype)
+    from torch.distributed.tensor import distribute_tensor
+
     whole = orthogonalise(u.full_tensor(), steps, dtype)
     return distribute_tensor(whole, u.device_mesh, u.placements, src_data_rank=None)
 
