@@ -247,6 +247,11 @@ class TrainConfig:
                 f"train.muon_rms_match={self.muon_rms_match}: must be > 0 (the update's RMS"
                 " relative to the learning rate; 0.2 matches AdamW)"
             )
+        if self.grad_clip <= 0.0:
+            raise UserError(
+                f"train.grad_clip={self.grad_clip}: must be > 0 (the largest gradient norm;"
+                " a huge value such as 1e9 leaves gradients unclipped)"
+            )
         if self.batch_tokens > 0 and self.grad_accum != 1:
             raise UserError(
                 f"train.grad_accum={self.grad_accum} with train.batch_tokens: grad_accum is derived"
@@ -260,11 +265,6 @@ class TrainConfig:
         if self.warmup_frac > 0:
             return math.ceil(self.warmup_frac * total_steps)
         return self.warmup_steps
-        if self.grad_clip <= 0.0:
-            raise UserError(
-                f"train.grad_clip={self.grad_clip}: must be > 0 (the largest gradient norm;"
-                " a huge value such as 1e9 leaves gradients unclipped)"
-            )
 
 
 _ON_OFF = {(TrainConfig, "compile")}
