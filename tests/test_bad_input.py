@@ -218,7 +218,8 @@ SETTINGS = [  # (--set value) that info and train must both reject
     "train.dtype=fp16", "train.device=banana", "train.schedule=linear", "model.layout=DDxx",
     "model.vocab_size=0", "model.n_heads=3", "model.foo=1", "noequals", "model=1",
     "model.d_model=[1", "data.dir=", "train.batch_size=0", "train.log_every=0",
-    "train.fsdp=maybe",
+    "train.fsdp=maybe", "train.optimizer=sgd", "train.muon_ns_steps=0", "train.warmup_frac=1",
+    "train.muon_rms_match=0",
 ]
 CASES: list[tuple[str, list[str], int]] = [
     *[(f"info {s}", [*I, s], 2) for s in SETTINGS],

@@ -65,8 +65,11 @@ def _train_and_kill(cfg_yaml: str, run: str, kill_at: int) -> None:
     train(cfg, run, progress=False, on_step=on_step)
 
 
-def test_resume_after_hard_kill_is_exact(tiny_data_dir: Path, tmp_path: Path) -> None:
-    cfg = small_cfg(tiny_data_dir, "train.max_steps=40", "train.ckpt_every=20")
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_after_hard_kill_is_exact(tiny_data_dir: Path, tmp_path: Path, optimizer: str) -> None:
+    cfg = small_cfg(
+        tiny_data_dir, "train.max_steps=40", "train.ckpt_every=20", f"train.optimizer={optimizer}"
+    )
     straight = tmp_path / "straight"
     train(cfg, straight, progress=False)
 
@@ -111,11 +114,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_two_ranks_match_one_rank(tiny_data_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_ddp_two_ranks_match_one_rank(tiny_data_dir: Path, tmp_path: Path, optimizer: str) -> None:
     """2 gloo ranks x batch 2 == 1 rank x batch 4 (same global batch), loss within 1e-5."""
-    one = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=4")
+    opt = f"train.optimizer={optimizer}"
+    one = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=4", opt)
     train(one, tmp_path / "one", progress=False)
-    two = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=2")
+    two = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=2", opt)
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [
@@ -147,14 +152,19 @@ def _launch(world: int, cfg: Config, run: Path) -> None:
     assert all(p.exitcode == 0 for p in procs)
 
 
-def test_fsdp_two_ranks_match_one_rank_and_resume(tiny_data_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fsdp_two_ranks_match_one_rank_and_resume(
+    tiny_data_dir: Path, tmp_path: Path, optimizer: str
+) -> None:
     """FSDP2 on 2 gloo ranks: same losses as one process, a checkpoint any process can
-    load, and an exact resume across a restart (sharded save and load)."""
-    one = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=4")
+    load, and an exact resume across a restart (sharded save and load). Muon gathers
+    each sharded matrix, so its update is the unsharded one."""
+    opt = f"train.optimizer={optimizer}"
+    one = small_cfg(tiny_data_dir, "train.max_steps=5", "train.batch_size=4", opt)
     train(one, tmp_path / "one", progress=False)
     two = small_cfg(
         tiny_data_dir, "train.max_steps=5", "train.batch_size=2", "train.fsdp=true",
-        "train.ckpt_every=3", "train.keep_last=2",
+        "train.ckpt_every=3", "train.keep_last=2", opt,
     )
     _launch(2, two, tmp_path / "two")
     straight = _losses(tmp_path / "two")
@@ -178,11 +188,11 @@ def test_fsdp_two_ranks_match_one_rank_and_resume(tiny_data_dir: Path, tmp_path:
     )
     # the optimiser layouts differ: a sharded checkpoint does not resume unsharded
     with pytest.raises(UserError, match="resume with train.fsdp=true"):
-        from xmodlm.train.trainer import _load_optimizer
+        from xmodlm.train.distributed import load_optimizer
 
         state = ckpt_io.load_state(checkpoint_dirs(tmp_path / "two")[-1])
         opt = torch.optim.AdamW(model.parameters())
-        _load_optimizer(model, opt, state["optimizer"], sharded=False)
+        load_optimizer(model, opt, state["optimizer"], sharded=False)
 
 
 def test_grad_accum_matches_one_big_batch(tiny_data_dir: Path, tmp_path: Path) -> None:
@@ -257,7 +267,7 @@ def test_divergence_stops_the_run(tiny_data_dir: Path, tmp_path: Path) -> None:
 
 def test_compute_budget_gives_tokens(tiny_data_dir: Path, tmp_path: Path) -> None:
     from xmodlm import flops
-    from xmodlm.config import resolve_budget
+    from xmodlm.budget import resolve_budget
 
     cfg = small_cfg(tiny_data_dir)
     per_step = 4 * 32
@@ -275,6 +285,42 @@ def test_schedules() -> None:
     w = TrainConfig(lr=1.0, min_lr_ratio=0.0, warmup_steps=10, schedule="wsd", cooldown_frac=0.2)
     lrs = [lr_at(s, 100, w) for s in range(100)]
     assert lrs[50] == 1.0 and lrs[79] == 1.0 and lrs[-1] == pytest.approx(0.0)
+
+
+def test_warmup_frac_sets_warmup_from_the_run_length() -> None:
+    """The paper's schedule: 1% warmup, then cosine to 10% of the peak."""
+    t = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=50, warmup_frac=0.01)
+    assert t.warmup(1000) == 10 and t.warmup(150) == 2
+    lrs = [lr_at(s, 1000, t) for s in range(1000)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[11] < 1.0
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-4)
+    assert TrainConfig(warmup_steps=50).warmup(1000) == 50
+    with pytest.raises(UserError, match=r"train.warmup_frac=1.0: must be in \[0, 1\)"):
+        TrainConfig(warmup_frac=1.0).validate()
+
+
+def test_batch_tokens_fixes_tokens_per_step(tiny_data_dir: Path, tmp_path: Path) -> None:
+    """batch_tokens / context sequences per step, split over ranks; micro-batch the largest
+    divisor of a rank's share within batch_size; the same run as the explicit batch."""
+    from xmodlm.budget import resolve_budget
+
+    cfg = small_cfg(tiny_data_dir, "train.max_steps=2", "train.batch_tokens=384")
+    for world, micro, accum in [(1, 4, 3), (2, 3, 2), (3, 4, 1), (4, 3, 1)]:
+        b = resolve_budget(cfg, world)
+        assert (b.batch_size, b.grad_accum, b.tokens_per_step) == (micro, accum, 384), world
+    longer = small_cfg(tiny_data_dir, "train.batch_tokens=384", "model.context=64", "train.tokens=3840")
+    assert resolve_budget(longer, 1).total_steps == 10  # 6 sequences of 64 a step
+    with pytest.raises(UserError, match="train.batch_tokens=384 is not a multiple of context x"
+                       " ranks = 32 x 5: choose a multiple of 160"):
+        resolve_budget(cfg, 5)
+    with pytest.raises(UserError, match="grad_accum is derived from batch_tokens"):
+        small_cfg(tiny_data_dir, "train.batch_tokens=384", "train.grad_accum=2").validate()
+    derived = small_cfg(tiny_data_dir, "train.max_steps=2", "train.batch_tokens=256")
+    explicit = small_cfg(tiny_data_dir, "train.max_steps=2", "train.grad_accum=2")
+    sa = train(derived, tmp_path / "derived", progress=False)
+    train(explicit, tmp_path / "explicit", progress=False)
+    assert _losses(tmp_path / "derived") == _losses(tmp_path / "explicit")
+    assert sa["batch_tokens"] == 256
 
 
 def test_run_dir_contents(tiny_data_dir: Path, tmp_path: Path) -> None:
@@ -375,3 +421,34 @@ def test_clip_and_step_equals_clip_then_step(
     before = [p.detach().clone() for p in params]
     assert not math.isfinite(clip_and_step(opt, params, max_norm))  # no step taken
     assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+
+
+def test_after_optimizer_step_hook_runs_once_per_taken_step() -> None:
+    """The model's after_optimizer_step() runs after each step taken, not a skipped one,
+    and is found through the compile wrapper."""
+    from types import SimpleNamespace
+
+    from xmodlm.train.distributed import unwrap
+    from xmodlm.train.trainer import train_step
+
+    class Counting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> SimpleNamespace:
+            loss = (self.w * x).sum() * y
+            return SimpleNamespace(loss=loss, total_loss=loss, aux={})
+
+        def after_optimizer_step(self) -> None:
+            self.calls += 1
+
+    model = Counting()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    good = lambda _: (torch.ones(3), torch.tensor(1.0))  # noqa: E731
+    bad = lambda _: (torch.full((3,), 1e38), torch.tensor(1e38))  # noqa: E731
+    for batch in (good, good, bad):
+        train_step(model, opt, batch, 1, dtype="fp32", grad_clip=1.0, device=torch.device("cpu"))
+    assert model.calls == 2
+    assert unwrap(torch.compile(model)) is model

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -27,6 +25,7 @@ import yaml
 from xmodlm import depth, record
 from xmodlm.depth_routers import kinds as depth_router_kinds
 from xmodlm.errors import UserError
+from xmodlm.typed import build
 
 GATINGS = ("logit", "sigmoid", "variance_scaled")
 # block: g (a + f), the whole routed residual (X-MoD, Eq. 7); ffn: a + g f (MoD, Eq. 6)
@@ -251,13 +250,18 @@ class DataConfig:
             raise UserError(f"data.val_batches={self.val_batches}: must be an integer >= 1")
 
 
+OPTIMIZERS = ("adamw", "muon")
+
+
 @dataclass
 class TrainConfig:
     """Optimisation, budget, schedule, precision, logging and checkpoints."""
 
     seed: int = 0
-    batch_size: int = 16  # sequences per micro-batch (per rank)
+    batch_size: int = 16  # sequences per micro-batch (per rank); with batch_tokens, its cap
     grad_accum: int = 1
+    # > 0: tokens per optimiser step at any context (batch x grad_accum x ranks derived)
+    batch_tokens: int = 0
     # budget: max_steps caps everything; else tokens; else compute C (FLOPs) -> D = C / F
     max_steps: int = 0
     tokens: int = 0
@@ -265,12 +269,20 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
+    warmup_frac: float = 0.0  # > 0: warmup is this fraction of the run's steps (replaces warmup_steps)
     schedule: str = "cosine"  # cosine | wsd | constant
     cooldown_frac: float = 0.2  # wsd: fraction of steps in the final linear decay
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    # adamw | muon (Muon on hidden weight matrices, AdamW on the rest: docs/training.md)
+    optimizer: str = "adamw"
+    adamw_lr: float = 0.0  # muon: peak lr of the AdamW-trained parameters; 0 = train.lr
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_rms_match: float = 0.2  # update RMS = this x learning rate (AdamW's typical RMS)
     dtype: str = "auto"  # autocast dtype; auto: bf16 where the hardware has it, else fp32
     compile: str = "off"  # auto | on | off
     device: str = "auto"  # auto | cpu | cuda
@@ -292,30 +304,59 @@ class TrainConfig:
         if self.seed < 0:
             raise UserError(f"train.seed={self.seed}: must be an integer >= 0")
         _choice(self, "schedule", SCHEDULES)
+        _choice(self, "optimizer", OPTIMIZERS)
         _choice(self, "dtype", DTYPES)
         _choice(self, "compile", COMPILE_MODES)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise UserError(f"train.device={self.device!r}: must be one of auto, cpu, cuda")
-        for key in ("max_steps", "tokens", "compute", "warmup_steps", "lr", "weight_decay"):
+        for key in ("max_steps", "tokens", "compute", "warmup_steps", "lr", "weight_decay",
+                    "adamw_lr", "batch_tokens"):
             if getattr(self, key) < 0:
                 raise UserError(f"train.{key}={getattr(self, key)}: must be >= 0")
         if not (0.0 <= self.cooldown_frac <= 1.0):
             raise UserError(f"train.cooldown_frac={self.cooldown_frac}: must be in [0, 1]")
         if not (0.0 <= self.min_lr_ratio <= 1.0):
             raise UserError(f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
-        for key in ("beta1", "beta2"):
+        for key in ("beta1", "beta2", "muon_momentum"):
             if not (0.0 <= getattr(self, key) < 1.0):
                 raise UserError(
-                    f"train.{key}={getattr(self, key)}: must be in [0, 1) (an AdamW moment decay)"
+                    f"train.{key}={getattr(self, key)}: must be in [0, 1) (a momentum decay)"
                 )
+        if not (0.0 <= self.warmup_frac < 1.0):
+            raise UserError(
+                f"train.warmup_frac={self.warmup_frac}: must be in [0, 1) (0: use warmup_steps)"
+            )
+        if not (1 <= self.muon_ns_steps <= 20):
+            raise UserError(
+                f"train.muon_ns_steps={self.muon_ns_steps}: must be an integer in 1..20"
+                " (Newton-Schulz iterations; 5 is the usual)"
+            )
+        if self.muon_rms_match <= 0.0:
+            raise UserError(
+                f"train.muon_rms_match={self.muon_rms_match}: must be > 0 (the update's RMS"
+                " relative to the learning rate; 0.2 matches AdamW)"
+            )
         if self.grad_clip <= 0.0:
             raise UserError(
                 f"train.grad_clip={self.grad_clip}: must be > 0 (the largest gradient norm;"
                 " a huge value such as 1e9 leaves gradients unclipped)"
             )
+        if self.batch_tokens > 0 and self.grad_accum != 1:
+            raise UserError(
+                f"train.grad_accum={self.grad_accum} with train.batch_tokens: grad_accum is derived"
+                " from batch_tokens, leave it at 1 (train.batch_size caps the micro-batch)"
+            )
+
+    def warmup(self, total_steps: int) -> int:
+        """Warmup steps of a run of ``total_steps``: ``warmup_frac`` of them (rounded up)
+        when set, else ``warmup_steps``. The paper warms up over 1% of each run, which
+        keeps the schedule's shape across budgets; a fixed count does not."""
+        if self.warmup_frac > 0:
+            return math.ceil(self.warmup_frac * total_steps)
+        return self.warmup_steps
 
 
-_ON_OFF = {(TrainConfig, "compile")}
+_ON_OFF = frozenset({(TrainConfig, "compile")})
 """String settings whose values include on/off, which YAML 1.1 reads as true/false."""
 
 
@@ -345,7 +386,7 @@ class Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config") -> Config:
-        return _build(cls, raw, where)
+        return build(cls, raw, where, on_off=_ON_OFF)
 
     def merge(self, overrides: list[str] | tuple[str, ...]) -> Config:
         """Return a copy with ``key.path=value`` overrides applied (values parsed as YAML)."""
@@ -373,104 +414,12 @@ class Config:
         return Config.from_dict(raw, where="")
 
 
-@dataclass
-class Budget:
-    """How long a run trains: its optimiser steps, the tokens each step takes (on all
-    ranks) and which setting set them (max_steps, tokens or compute)."""
-
-    total_steps: int
-    tokens_per_step: int
-    source: str
-
-
-def resolve_budget(cfg: Config, world_size: int) -> Budget:
-    """Steps from train.max_steps, else the token budget, else compute C (D = C / F).
-    Here, beside the settings it reads, because the trainer and a sweep's plan must
-    count the same steps."""
-    from xmodlm import flops  # flops reads ModelConfig from this module
-
-    t = cfg.train
-    per_step = t.batch_size * t.grad_accum * world_size * cfg.model.context
-    if t.max_steps > 0:
-        return Budget(t.max_steps, per_step, "max_steps")
-    if t.tokens > 0:
-        tokens, source = float(t.tokens), "tokens"
-    elif t.compute > 0:
-        tokens, source = t.compute / flops.count(cfg.model).flops_train, "compute"
-    else:
-        raise UserError(
-            "no training budget: set train.max_steps, train.tokens or train.compute (FLOPs)"
-        )
-    steps = int(tokens // per_step)
-    if steps < 1:
-        raise UserError(
-            f"train.{source} gives {tokens:.3g} tokens, less than one batch of {per_step} tokens"
-            " (batch_size x grad_accum x ranks x context): raise the budget or shrink the batch"
-        )
-    return Budget(steps, per_step, source)
-
-
 RESUME_FREE = frozenset({
     "device", "compile", "eval_every", "log_every", "ckpt_every", "keep_last", "max_bad_steps",
     "tensorboard", "wandb", "wandb_project", "wandb_entity", "wandb_tags",
 })
 """Train settings a resumed run may change freely: they do not change what is trained
 (the trainer checks a resume against them; a sweep lets ``--set`` change only these)."""
-
-
-def _build(cls: type, raw: Any, where: str) -> Any:
-    """Build dataclass ``cls`` from ``raw``, rejecting unknown keys and wrong types."""
-    if not isinstance(raw, dict):
-        raise UserError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(raw) - names
-    if unknown:
-        raise UserError(
-            f"{where}: unknown key {sorted(unknown)[0]!r}; allowed: {', '.join(sorted(names))}"
-        )
-    kwargs = {}
-    for name, value in raw.items():
-        if (cls, name) in _ON_OFF and isinstance(value, bool):  # YAML reads on/off as booleans
-            value = "on" if value else "off"
-        kwargs[name] = _coerce(hints[name], value, f"{where}.{name}" if where else name)
-    return cls(**kwargs)
-
-
-def _coerce(tp: Any, value: Any, where: str) -> Any:
-    if tp in (int, float) and isinstance(value, str):
-        try:  # YAML 1.1 reads "1e-3" as a string
-            value = float(value)
-        except ValueError:
-            pass
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if isinstance(tp, types.UnionType):  # only `X | None` is used
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise UserError(f"{where}={value!r}: must be true or false")
-    if tp is int:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or value != int(value)
-        ):
-            raise UserError(f"{where}={value!r}: must be an integer")
-        return int(value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"{where}={value!r}: must be a number")
-        return float(value)
-    if tp is str:
-        if value is None:
-            return ""
-        if not isinstance(value, str):
-            raise UserError(f"{where}={value!r}: must be a string")
-        return value
-    return value
 
 
 def _section(obj: Any) -> str:

@@ -68,7 +68,8 @@ from typing import Any
 import yaml
 
 from xmodlm import flops, record
-from xmodlm.config import Config, load_config, resolve_budget
+from xmodlm.budget import resolve_budget
+from xmodlm.config import Config, load_config
 from xmodlm.errors import UserError
 from xmodlm.sweep.grammar import (
     GRID_KEYS,
@@ -207,6 +208,15 @@ ID_NEUTRAL = {
     ("model", "active_layers"): 0.0, ("model", "anchors"): True, ("model", "gate_scope"): "block",
     # attention shape: plain multi-head at d_model // n_heads, no QK-norm
     ("model", "n_kv_heads"): 0, ("model", "head_dim"): 0, ("model", "qk_norm"): False,
+    # the optimiser and schedule of the paper's recipe: off at these values
+    ("train", "batch_tokens"): 0,
+    ("train", "warmup_frac"): 0.0,
+    ("train", "optimizer"): "adamw",
+    ("train", "adamw_lr"): 0.0,
+    ("train", "muon_momentum"): 0.95,
+    ("train", "muon_nesterov"): True,
+    ("train", "muon_ns_steps"): 5,
+    ("train", "muon_rms_match"): 0.2,
 }
 
 

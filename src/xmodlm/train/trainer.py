@@ -6,24 +6,20 @@ and, on success, ``summary.json``. Calling it again on the same directory
 resumes from the newest checkpoint that loads. Batches are a pure function of
 (seed, step), so a resumed run continues exactly as an uninterrupted one would.
 
-Distributed: when ``WORLD_SIZE > 1`` (as set by ``torchrun``) the model is
-wrapped in DDP (gloo on CPU, NCCL on GPU), or sharded with FSDP2 when
-``train.fsdp`` is set; each rank reads its slice of the global batch; only rank
-0 writes. Sharded checkpoints hold full (gathered) weights, so any process can
-load them, and the optimiser state keyed by parameter name.
+Distributed (``torchrun``): each rank reads its slice of the global batch; only
+rank 0 writes; the wrapping (DDP, FSDP2, compilation) and the sharded checkpoint
+state live in :mod:`xmodlm.train.distributed`.
 
-About 640 lines, kept whole: the loop, its training step (which the bench times
-too) and the run-directory, restore, sharding and checkpoint helpers only the loop
-calls share the run's state (ranks, the wrapped model, the optimiser); reading a
-finished run lives in :mod:`xmodlm.runs`.
+The loop, its training step (which the bench times too) and the run-directory,
+restore and checkpoint helpers only the loop calls share the run's state (ranks,
+the wrapped model, the optimiser); reading a finished run lives in
+:mod:`xmodlm.runs`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import re
 import shutil
 import signal
 import sys
@@ -38,7 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from xmodlm import flops, runs
-from xmodlm.config import RESUME_FREE, Budget, Config, load_config, resolve_budget
+from xmodlm.budget import Budget, resolve_budget
+from xmodlm.config import RESUME_FREE, Config, load_config
 from xmodlm.data.batches import (
     check_tokenizer,
     get_batch,
@@ -62,49 +59,20 @@ from xmodlm.info import check_memory
 from xmodlm.model import Transformer
 from xmodlm.record import config_row
 from xmodlm.train import checkpoint as ckpt_io
+from xmodlm.train.distributed import (
+    Dist,
+    compiles,
+    gather_full_state,
+    load_optimizer,
+    setup_distributed,
+    shard,
+    sharded_loader,
+    unwrap,
+    wrap,
+)
 from xmodlm.train.lock import run_lock
 from xmodlm.train.loggers import MetricLogger, check_trackers
-from xmodlm.train.optim import build_optimizer, clip_and_step, lr_at
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device_name: str) -> Dist:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1)."""
-    world = _env_rank("WORLD_SIZE", "1", low=1)
-    if world <= 1:
-        return Dist()
-    if "RANK" not in os.environ:
-        raise UserError(
-            f"WORLD_SIZE={world} but RANK is not set: launch with torchrun, which sets both"
-            " (or unset WORLD_SIZE to train in one process)"
-        )
-    rank, local = _env_rank("RANK", "0", high=world - 1), _env_rank("LOCAL_RANK", "0")
-    if not dist.is_initialized():
-        use_nccl = torch.cuda.is_available() and device_name != "cpu"
-        if use_nccl:
-            torch.cuda.set_device(local)
-        dist.init_process_group(backend="nccl" if use_nccl else "gloo")
-    return Dist(rank, world, local)
-
-
-def _env_rank(name: str, default: str, low: int = 0, high: int | None = None) -> int:
-    """An integer the launcher put in the environment, checked (a typo there would
-    otherwise surface as a ValueError from deep in the start of training)."""
-    text = os.environ.get(name, default).strip()
-    if not re.fullmatch(r"\d+", text) or int(text) < low or (high is not None and int(text) > high):
-        bound = f"{low}..{high}" if high is not None else f">= {low}"
-        raise UserError(f"environment variable {name}={text!r}: must be an integer {bound}")
-    return int(text)
+from xmodlm.train.optim import MuonAdamW, build_optimizer, clip_and_step, set_lr
 
 
 @dataclass
@@ -224,7 +192,7 @@ def _clear_run(run: Path, restart: bool) -> None:
 def _restore(
     run: Path,
     model: nn.Module,
-    opt: torch.optim.Optimizer,
+    opt: torch.optim.Optimizer | MuonAdamW,
     log: Callable[[str], None],
     sharded: bool = False,
     restart: bool = False,
@@ -240,10 +208,10 @@ def _restore(
     for left, ckpt in reversed(list(enumerate(ckpts))):
         try:
             runs.load_model_weights(
-                ckpt, model, load=_sharded_loader(model) if sharded else None
+                ckpt, model, load=sharded_loader(model) if sharded else None
             )
             state = ckpt_io.load_state(ckpt)
-            _load_optimizer(model, opt, state["optimizer"], sharded)
+            load_optimizer(model, opt, state["optimizer"], sharded)
         except (UserError, KeyError, ValueError) as err:
             if left:  # the last failure is the error below, not a note
                 log(f"checkpoint {ckpt} is unusable ({err}); trying the previous one")
@@ -260,45 +228,6 @@ def _restore(
             f" ({first_error}): rerun with --restart to train it from step 0"
         )
     return None
-
-
-def _sharded_loader(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], Any]:
-    """Every rank holds the full weights (read from the file); each keeps its shard."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    def load(weights: dict[str, torch.Tensor]) -> Any:
-        return set_model_state_dict(
-            model, weights, options=StateDictOptions(full_state_dict=True, strict=True)
-        )
-
-    return load
-
-
-def _load_optimizer(
-    model: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any], sharded: bool
-) -> None:
-    """Optimiser state: by parameter index (one process, DDP) or by name (FSDP2, full).
-
-    The two layouts are not interchangeable; a run resumes with the parallelism
-    it was saved with.
-    """
-    by_name = any(isinstance(k, str) for k in saved.get("state", {}))
-    if by_name != sharded:
-        raise UserError(
-            f"optimizer state was saved {'with' if by_name else 'without'} train.fsdp:"
-            f" resume with train.fsdp={str(by_name).lower()}"
-        )
-    if not sharded:
-        opt.load_state_dict(saved)
-        return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_optimizer_state_dict,
-    )
-
-    set_optimizer_state_dict(
-        model, opt, saved, options=StateDictOptions(full_state_dict=True)
-    )
 
 
 def train(
@@ -369,13 +298,14 @@ def train(
         model = Transformer(cfg.model).to(device)
         sharded = ddp.world_size > 1 and t.fsdp
         if sharded:
-            _shard(model)  # before the optimiser: FSDP2 replaces the parameters
-        opt = build_optimizer(model, t)
+            shard(model)  # before the optimiser: FSDP2 replaces the parameters
+        dtype = resolve_dtype(t.dtype, device)
+        # Muon's Newton-Schulz in the run's precision: bf16 runs fast, fp32 runs exact
+        opt = build_optimizer(model, t, torch.float32 if dtype == "fp32" else torch.bfloat16)
         state = _restore(run, model, opt, logger.note, sharded, restart) or TrainState()
         logger.truncate_after(state.step)
-        wrapped = _wrap(model, cfg, ddp, device)
+        wrapped = wrap(model, cfg, ddp, device)
         counts = flops.count(cfg.model)
-        dtype = resolve_dtype(t.dtype, device)
         peak = matmul_peak_gflops(dtype, device.type) * 1e9 * ddp.world_size
         if progress:
             logger.note(_echo(cfg, counts, budget, device, dtype, ddp, state.step, run))
@@ -394,10 +324,8 @@ def train(
         with stop.installed():
             while state.step < budget.total_steps:
                 t0 = time.perf_counter()
-                lr = lr_at(state.step, budget.total_steps, t)
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                record = _train_step(wrapped, opt, train_data, cfg, state.step, ddp, device)
+                lr = set_lr(opt, state.step, budget.total_steps, t)
+                record = _train_step(wrapped, opt, train_data, cfg, budget, state.step, ddp, device)
                 finite = math.isfinite(record["loss"])
                 if finite:
                     state.bad_steps = 0
@@ -448,7 +376,7 @@ def train(
             logger.note(f"interrupted at step {state.step}: checkpoint written, rerun to resume")
         logger.close()
         summary = _summary(
-            cfg, state, counts, status, budget, len(train_data), ddp.world_size, env["git_commit"],
+            cfg, state, counts, status, budget, len(train_data), env["git_commit"],
             dtype,
         )
         summary.update(cpu_kind=env["cpu_kind"] if device.type == "cpu" else
@@ -471,71 +399,40 @@ def _echo(
         f"{cfg.name}: {start} -> {budget.total_steps} steps ({budget.source}),"
         f" layout {m.block_layout} (d {m.d_model}, K {m.depth.sparsity:g}, A {m.depth.anchor_stride:g}, T {m.context}),"
         f" {counts.params_total / 1e6:.3g}M params ({counts.params_active / 1e6:.3g}M active),"
-        f" {budget.tokens_per_step} tokens/step, lr {t.lr:g} {t.schedule}, seed {t.seed},"
+        f" {budget.tokens_per_step} tokens/step, {t.optimizer} lr {t.lr:g} {t.schedule}, seed {t.seed},"
         f" {device} x{ddp.world_size} {dtype}, compile {compile_}, run {run}"
     )
 
 
-def _shard(model: Transformer) -> None:
-    """FSDP2, in place: each block is one unit (gathered for its forward, resharded
-    after), the root holds the embedding, tied head and final norm."""
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-
-
-def _wrap(model: Transformer, cfg: Config, ddp: Dist, device: torch.device) -> nn.Module:
-    """Apply data parallelism (unless already sharded) and compilation from outside the model."""
-    wrapped: nn.Module = model
-    if ddp.world_size > 1 and not cfg.train.fsdp:  # FSDP2: sharded by _shard already
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            # MoE experts may receive no token in a step
-            find_unused_parameters="E" in model.layout,
-        )
-    if compiles(cfg, device):
-        wrapped = torch.compile(wrapped)
-    return wrapped
-
-
-def compiles(cfg: Config, device: torch.device) -> bool:
-    """Whether training compiles the model: ``train.compile=on``, or ``auto`` on a GPU."""
-    mode = cfg.train.compile
-    return mode == "on" or (mode == "auto" and device.type == "cuda")
-
-
 def _train_step(
     model: nn.Module,
-    opt: torch.optim.Optimizer,
+    opt: torch.optim.Optimizer | MuonAdamW,
     data: Any,
     cfg: Config,
+    budget: Budget,
     step: int,
     ddp: Dist,
     device: torch.device,
 ) -> dict[str, Any]:
-    """One optimiser step of the run: its micro-batches are a pure function of (seed, step)."""
+    """One optimiser step of the run (its batch: ``budget``'s): its micro-batches are a
+    pure function of (seed, step)."""
     t = cfg.train
 
     def micro_batch(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         return get_batch(
-            data, t.batch_size, cfg.model.context, t.seed, step, ddp.rank, ddp.world_size,
-            micro, t.grad_accum,
+            data, budget.batch_size, cfg.model.context, t.seed, step, ddp.rank, ddp.world_size,
+            micro, budget.grad_accum,
         )
 
     return train_step(
-        model, opt, micro_batch, t.grad_accum, dtype=resolve_dtype(t.dtype, device),
+        model, opt, micro_batch, budget.grad_accum, dtype=resolve_dtype(t.dtype, device),
         grad_clip=t.grad_clip, device=device, world_size=ddp.world_size,
     )
 
 
 def train_step(
     model: nn.Module,
-    opt: torch.optim.Optimizer,
+    opt: torch.optim.Optimizer | MuonAdamW,
     micro_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     grad_accum: int,
     *,
@@ -574,16 +471,32 @@ def train_step(
     if math.isfinite(loss):
         grad_norm = clip_and_step(opt, list(model.parameters()), grad_clip)
         record["grad_norm"] = grad_norm
-        if not math.isfinite(grad_norm):  # overflowing gradients: skipped like a NaN loss
+        if math.isfinite(grad_norm):
+            after_optimizer_step(model)
+        else:  # overflowing gradients: skipped like a NaN loss
             record["loss"] = float("nan")
     opt.zero_grad(set_to_none=True)
     return record
 
 
+def after_optimizer_step(model: nn.Module) -> None:
+    """Call the unwrapped model's ``after_optimizer_step()``, if it has one, once after
+    every optimiser step that was taken (not after a skipped one).
+
+    The one place where the model may adjust state that is not trained by gradients
+    (an MoE's loss-free per-expert bias nudged by the step's expert loads, say) in
+    step with the weights. The trainer knows no such state: the model's method
+    does the work, on every rank alike.
+    """
+    hook = getattr(unwrap(model), "after_optimizer_step", None)
+    if callable(hook):
+        hook()
+
+
 def _save(
     run: Path,
     model: nn.Module,
-    opt: torch.optim.Optimizer,
+    opt: torch.optim.Optimizer | MuonAdamW,
     state: TrainState,
     cfg: Config,
     ddp: Dist,
@@ -593,15 +506,7 @@ def _save(
     weights: nn.Module | dict[str, torch.Tensor] = model
     optimizer: dict[str, Any] | None = None
     if sharded:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(model, options=full)
-        optimizer = get_optimizer_state_dict(model, opt, options=full)
+        weights, optimizer = gather_full_state(model, opt)
     if not ddp.is_main:
         return
     payload = {
@@ -621,7 +526,6 @@ def _summary(
     status: str,
     budget: Budget,
     train_tokens: int,
-    world_size: int,
     commit: str | None,
     dtype: str,
 ) -> dict[str, Any]:
@@ -641,8 +545,8 @@ def _summary(
         "flops": counts.flops_train * state.tokens,
         "seed": t.seed,
         "lr": t.lr,
-        "warmup_steps": t.warmup_steps,
-        "batch_tokens": t.batch_size * t.grad_accum * world_size * m.context,
+        "warmup_steps": t.warmup(budget.total_steps),
+        "batch_tokens": budget.tokens_per_step,
         "dtype": dtype,
         "epochs": state.tokens / train_tokens,
         "commit": commit,
