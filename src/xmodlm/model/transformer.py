@@ -20,6 +20,7 @@ from xmodlm.flops import active_depth, capacity_tokens
 from xmodlm.model import routing
 from xmodlm.model.blocks import BlockOutput, DenseBlock, RoutedBlock
 from xmodlm.model.layers import RMSNorm, Rotary, cross_entropy_fp32, matmul_dtype
+from xmodlm.model.moe import MoEMLP, load_imbalance
 
 ROUTING_MODES = ("topk", "causal", "calibrate")
 
@@ -273,13 +274,25 @@ class Transformer(nn.Module):
         return {k: v.detach() for k, v in aux.items()}, total
 
     def _stats(self, outs: list[BlockOutput]) -> dict[str, object]:
+        stats: dict[str, object] = {}
+        loads = [o.expert_load_E for o in outs if o.expert_load_E is not None]
+        if loads:  # per MoE layer, in depth order
+            stats["expert_load_max_over_mean"] = [load_imbalance(c) for c in loads]
         sparse = [o for o in outs if o.r_BT is not None]
         if not sparse:
-            return {}
+            return stats
         topk = [o.topk_BT for o in sparse]
-        return routing.routing_stats(
+        return stats | routing.routing_stats(
             selections=[o.processed_BT for o in sparse],
             windows=self.windows,
             causal=[o.causal_BT for o in sparse],
             topk=topk if all(t is not None for t in topk) else None,
         )
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """What the model does once per optimiser step, after it: each MoE layer's
+        loss-free balancing step (:meth:`MoEMLP.after_optimizer_step`)."""
+        for module in self.modules():
+            if isinstance(module, MoEMLP):
+                module.after_optimizer_step()

@@ -401,7 +401,13 @@ def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
 # runs before them did in training: hashed only when set otherwise, so that a new
 # field never renames (and so reruns) the runs of a committed sweep.
 # model.causal_threshold changes only how a trained model routes at inference.
-ID_NEUTRAL = {("model", "causal_threshold"): "calibrated"}
+ID_NEUTRAL = {
+    ("model", "causal_threshold"): "calibrated",
+    ("model", "moe_router"): "switch",
+    ("model", "moe_granularity"): 1,
+    ("model", "moe_shared"): 0,
+    ("model", "moe_bias_rate"): 1e-3,
+}
 
 
 def run_id(cfg: Config) -> str:
