@@ -233,3 +233,35 @@ def test_moe_active_flops_equal_dense_ffn_at_granularity() -> None:
     dense = dataclasses.replace(moe, mlp="swiglu")
     gap = flops.count(moe).flops_forward - flops.count(dense).flops_forward
     assert gap == 28 * 2 * 1024 * 64
+
+
+def test_export_refuses_the_fine_moe() -> None:
+    """The transformers export restates the switch router; a fine-grained MoE is
+    refused in one line rather than exported wrong."""
+    from types import SimpleNamespace
+
+    from xmodlm.config import Config
+    from xmodlm.export import export_config
+
+    cfg = Config(model=tiny_model_cfg(mlp="moe", moe_router="fine", moe_shared=1))
+    tok = SimpleNamespace(vocab_size=97, eot_id=0)
+    with pytest.raises(UserError, match="switch MoE only"):
+        export_config(cfg, tok, {})
+
+
+def test_fine_router_adds_no_graph_break() -> None:
+    """Under torch.compile the fine router (its selection bias, and the load counts it
+    adds to a buffer in training) breaks the graph no more than the switch router:
+    only where the dispatch reads the slice sizes, one per MoE layer plus one."""
+    torch._dynamo.reset()
+    cfg = tiny_model_cfg(mlp="moe", n_experts=4, moe_top_k=2, moe_d_ff=32, moe_router="fine",
+                         moe_shared=1, moe_bias_rate=1e-2)
+    model = Transformer(cfg)
+    compiled = torch.compile(model, backend="eager")
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.context))
+    compiled(x, x).total_loss.backward()
+    assert sum(counters["graph_break"].values()) <= cfg.n_layers + 1, dict(counters["graph_break"])
+    assert model.blocks[0].block.mlp.router.load_E.sum() == 2 * cfg.context * 2  # counted
+    torch._dynamo.reset()
