@@ -265,3 +265,18 @@ def test_fine_router_adds_no_graph_break() -> None:
     assert sum(counters["graph_break"].values()) <= cfg.n_layers + 1, dict(counters["graph_break"])
     assert model.blocks[0].block.mlp.router.load_E.sum() == 2 * cfg.context * 2  # counted
     torch._dynamo.reset()
+
+
+def test_evaluation_reports_expert_load_per_moe_layer() -> None:
+    """``evaluate`` (what ``xmod eval`` and training's evaluations call) reports
+    max / mean expert load per MoE layer, and counts nothing toward the bias."""
+    from xmodlm.eval.loss import evaluate
+
+    cfg = tiny_model_cfg(layout="EDEE", mlp="moe", n_experts=4, moe_top_k=2,
+                         moe_router="fine")
+    model = Transformer(cfg)
+    batches = [(torch.randint(0, 97, (2, 32)), torch.randint(0, 97, (2, 32))) for _ in range(2)]
+    result = evaluate(model, batches, torch.device("cpu"), "fp32")
+    loads = result["expert_load_max_over_mean"]
+    assert len(loads) == 3 and all(1.0 <= v <= 4.0 for v in loads)
+    assert all(b.block.mlp.router.load_E.sum() == 0 for b in model.blocks if b.aux_weights)
