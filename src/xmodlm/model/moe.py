@@ -14,7 +14,7 @@ pairs were chosen. Two kinds (``model.moe_router``):
   normalised to sum 1, and the balance loss beside it; no z-loss.
 
 A new routing rule is one new class here with the same ``forward`` contract, plus
-what lies outside the MLP: a name in :data:`ROUTERS` (the config validates it), the
+what lies outside the MLP: a name in ``config.MOE_ROUTERS`` (validated there), the
 weights of any loss of its own (the block's ``aux_weights``), FLOP accounting
 where the rule changes the experts a token runs (``flops`` counts top_k per
 token), and the exported model (``hf.py`` restates the switch router only).
@@ -36,7 +36,6 @@ from torch import nn
 
 from xmodlm.model.layers import SwiGLU, matmul_dtype
 
-ROUTERS = ("switch", "fine")
 EXPERT_LOAD = "expert_load"
 """Key under which :class:`MoEMLP` hands back its per-expert assignment counts (a
 statistic, not a loss: the block moves it out of the auxiliary losses)."""
@@ -178,7 +177,7 @@ class BiasedSigmoidRouter(nn.Module):
 def make_router(
     kind: str, d_model: int, n_experts: int, top_k: int, bias_rate: float = 0.0
 ) -> nn.Module:
-    """The router named ``kind`` (one of :data:`ROUTERS`)."""
+    """The router named ``kind`` (one of ``config.MOE_ROUTERS``)."""
     if kind == "switch":
         return TopKRouter(d_model, n_experts, top_k)
     assert kind == "fine", kind

@@ -400,7 +400,8 @@ def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
 # Config fields added after sweeps were committed, with the value that means what
 # runs before them did in training: hashed only when set otherwise, so that a new
 # field never renames (and so reruns) the runs of a committed sweep.
-# model.causal_threshold changes only how a trained model routes at inference.
+# model.causal_threshold changes only how a trained model routes at inference; the
+# MoE fields at these values are the switch MoE every committed MoE run trained.
 ID_NEUTRAL = {
     ("model", "causal_threshold"): "calibrated",
     ("model", "moe_router"): "switch",
