@@ -84,7 +84,7 @@ def _causal_selections(model: Transformer, idx_BT: torch.Tensor) -> list[torch.T
     x = model.embed(idx_BT)
     sel = []
     with torch.no_grad():
-        for _, _, out in model.run_blocks(x, pos, "causal", model.rope(pos)):
+        for out in model.run_blocks(x, pos, "causal", model.rope(pos))[1]:
             if out.processed_BT is not None:
                 sel.append(out.processed_BT)
     return sel

@@ -280,9 +280,11 @@ def test_logits_carry_a_graph_only_without_targets() -> None:
 
 def test_moe_graph_breaks_only_at_its_dispatch() -> None:
     """Under torch.compile an MoE model breaks its graph only where the dispatch reads
-    the expert slice sizes: one break per MoE layer plus one host read, measured
-    4 + 1 here. A data-dependent op in the router or its losses (a bincount in the
-    balance loss was one) adds a break per layer on top."""
+    the expert slice sizes: one break per MoE layer plus one host read, and the block
+    loop (:meth:`Transformer.run_blocks`, a nested frame, which dynamo then runs
+    eagerly around the compiled blocks) counts two more: 4 + 3 here. A data-dependent
+    op in the router or its losses (a bincount in the balance loss was one) adds a
+    break per layer on top."""
     torch._dynamo.reset()
     cfg = tiny_model_cfg(mlp="moe", n_experts=4, moe_top_k=2, moe_d_ff=32)
     compiled = torch.compile(Transformer(cfg), backend="eager")
@@ -291,7 +293,7 @@ def test_moe_graph_breaks_only_at_its_dispatch() -> None:
     x = _tokens(cfg)
     compiled(x, x).total_loss.backward()
     breaks = sum(counters["graph_break"].values())
-    assert breaks <= cfg.n_layers + 1, dict(counters["graph_break"])
+    assert breaks <= cfg.num_blocks + 3, dict(counters["graph_break"])
     torch._dynamo.reset()
 
 

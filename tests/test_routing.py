@@ -142,8 +142,8 @@ def test_token_bias_spreads_identical_routers_over_a_stage() -> None:
                 if name.endswith(("attn.proj.weight", "mlp.down.weight")):
                     p.zero_()
             pos = torch.arange(cfg.context)
-            sel = [out.processed_BT for _, _, out in model.run_blocks(
-                model.embed(x), pos, "topk", model.rope(pos)) if out.processed_BT is not None]
+            _, outs = model.run_blocks(model.embed(x), pos, "topk", model.rope(pos))
+            sel = [out.processed_BT for out in outs if out.processed_BT is not None]
             return model(x, return_stats=True).stats["stages"], sel
 
     off, _ = run(0.0)

@@ -34,6 +34,7 @@ BALANCES = ("token_bias", "cv", "none")
 CAUSAL_ROUTERS = tuple(sorted(depth_router_kinds()))  # xmodlm.depth_routers
 CAUSAL_THRESHOLDS = ("calibrated", "half")  # xmodlm.model.depth_router
 MLPS = ("swiglu", "moe")
+MOE_ROUTERS = ("switch", "fine")  # xmodlm.model.moe.make_router
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("auto", "bf16", "fp32")
 COMPILE_MODES = ("auto", "on", "off")
@@ -84,9 +85,14 @@ class ModelConfig:
     mlp: str = "swiglu"  # swiglu | moe
     n_experts: int = 8
     moe_top_k: int = 2
-    moe_d_ff: int = 0  # 0: same as d_ff
-    moe_aux_coef: float = 1e-2  # Switch load-balancing loss weight
-    moe_z_coef: float = 1e-3  # router z-loss weight
+    moe_router: str = "switch"  # switch: softmax + z-loss | fine: sigmoid + balancing bias
+    moe_d_ff: int = 0  # expert width; 0: ffn_dim / moe_granularity
+    moe_granularity: int = 1  # G: experts of width ffn_dim / G (when moe_d_ff is 0)
+    moe_shared: int = 0  # always-on shared experts of the expert width (0: none)
+    moe_aux_coef: float = 1e-2  # load-balancing loss weight (both routers)
+    moe_z_coef: float = 1e-3  # router z-loss weight (switch router only)
+    # fine router only: per-step move of the selection bias toward even load (0: off)
+    moe_bias_rate: float = 1e-3
     # --- misc -----------------------------------------------------------------
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
@@ -111,7 +117,8 @@ class ModelConfig:
 
     @property
     def expert_dim(self) -> int:
-        return self.moe_d_ff if self.moe_d_ff > 0 else self.ffn_dim
+        """Width of every expert, routed and shared: ``moe_d_ff``, else ffn_dim / G."""
+        return self.moe_d_ff if self.moe_d_ff > 0 else self.ffn_dim // self.moe_granularity
 
     @property
     def depth(self) -> depth.Depth:
@@ -192,13 +199,9 @@ class ModelConfig:
                     " (n_layers) from D (dense), s (sparse), E (MoE)"
                 )
         if "E" in self.block_layout:
-            if self.n_experts < 1:
-                raise UserError(f"model.n_experts={self.n_experts}: must be >= 1")
-            if not (1 <= self.moe_top_k <= self.n_experts):
-                raise UserError(
-                    f"model.moe_top_k={self.moe_top_k}: must be in [1, n_experts={self.n_experts}]"
-                )
-        for key in ("balance_coef", "causal_coef", "moe_aux_coef", "moe_z_coef", "d_ff", "moe_d_ff"):
+            self._validate_moe()
+        for key in ("balance_coef", "causal_coef", "moe_aux_coef", "moe_z_coef", "d_ff", "moe_d_ff",
+                    "moe_shared", "moe_bias_rate"):
             if getattr(self, key) < 0:
                 raise UserError(f"model.{key}={getattr(self, key)}: must be >= 0")
         if self.rope_theta <= 1.0:
@@ -234,6 +237,23 @@ class ModelConfig:
         if self.attn_head_dim % 2 != 0:
             name = "model.head_dim" if self.head_dim else "model.d_model/n_heads"
             raise UserError(f"{name}={self.attn_head_dim}: rotary needs an even head dim")
+
+    def _validate_moe(self) -> None:
+        """The MoE fields, checked only where a block is MoE (elsewhere they are unused)."""
+        _choice(self, "moe_router", MOE_ROUTERS)
+        if self.n_experts < 1:
+            raise UserError(f"model.n_experts={self.n_experts}: must be >= 1")
+        if not (1 <= self.moe_top_k <= self.n_experts):
+            raise UserError(
+                f"model.moe_top_k={self.moe_top_k}: must be in [1, n_experts={self.n_experts}]"
+            )
+        if self.moe_granularity < 1:
+            raise UserError(f"model.moe_granularity={self.moe_granularity}: must be an integer >= 1")
+        if self.moe_d_ff == 0 and self.ffn_dim % self.moe_granularity != 0:
+            raise UserError(
+                f"model.moe_granularity={self.moe_granularity} does not divide the FFN width"
+                f" {self.ffn_dim}: choose a divisor, or set model.moe_d_ff"
+            )
 
 
 @dataclass

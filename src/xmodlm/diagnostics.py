@@ -32,7 +32,7 @@ def added_variance(model: Transformer, tokens_BT: torch.Tensor) -> float:
     """
     pos_T = torch.arange(tokens_BT.shape[1], device=tokens_BT.device)
     x0_BTD = model.embed(tokens_BT).float()
-    *_, (_, x_BTD, _) = model.run_blocks(x0_BTD, pos_T, "topk", model.rope(pos_T))
+    x_BTD, _ = model.run_blocks(x0_BTD, pos_T, "topk", model.rope(pos_T))
     return float((x_BTD - x0_BTD).pow(2).mean())
 
 

@@ -94,6 +94,11 @@ def export_config(
     from xmodlm.depth_routers import make_kind
 
     m = cfg.model
+    if "E" in m.block_layout and (m.moe_router != "switch" or m.moe_shared > 0):
+        raise UserError(
+            f"export restates the switch MoE only: model.moe_router={m.moe_router},"
+            f" model.moe_shared={m.moe_shared} has no transformers counterpart yet"
+        )
     kind = make_kind(m.causal_router, m.d_model)
     return {
         "model_type": model_type(),

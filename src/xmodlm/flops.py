@@ -15,7 +15,8 @@ Conventions (one for every family, so comparisons are fair):
   part scales with k/T and its attention with (k/T)^2; the router (2 d) runs on
   every token, and so does its depth-router kind's decision head, if it has one
   (the kind states its cost: :mod:`xmodlm.depth_routers`);
-* an MoE block runs its router (2 d E) on every token and top_k expert MLPs;
+* an MoE block runs its router (2 d E) on every token, top_k routed expert MLPs
+  and its shared experts (:func:`moe_mlp_flops`);
 * training = 3 x forward.
 
 This module is arithmetic on configs and imports no torch: the model, the law
@@ -25,7 +26,7 @@ Parameters: ``total`` counts every weight; ``non_embedding`` leaves out the toke
 embedding and the LM head (unless tied, then the shared matrix once);
 ``active`` (N_ae) is the non-embedding parameters a token touches on average:
 anchors fully, sparse block weights with probability k/T (routers always), MoE
-experts top_k / E.
+routed experts top_k / E (shared experts and the router always).
 """
 
 from __future__ import annotations
@@ -114,17 +115,34 @@ def block_params(cfg: ModelConfig, letter: str) -> tuple[int, float]:
     attn = attention_params(cfg)
     norms = 2 * d
     if letter == "E":
-        experts = cfg.n_experts * 3 * d * cfg.expert_dim
-        router = d * cfg.n_experts
-        total = attn + norms + router + experts
-        active = attn + norms + router + experts * cfg.moe_top_k / cfg.n_experts
-        return total, active
+        mlp_total, mlp_active = moe_mlp_params(cfg)
+        return attn + norms + mlp_total, attn + norms + mlp_active
     body = attn + norms + 3 * d * f
     if letter == "D":
         return body, float(body)
     frac = routed_fraction(cfg)
     extra = d + (1 if cfg.gating == "variance_scaled" else 0) + _router_kind(cfg).extra_params()
     return body + extra, body * frac + extra
+
+
+def moe_mlp_params(cfg: ModelConfig) -> tuple[int, float]:
+    """(total, active) parameters of one MoE MLP: E routed experts and ``moe_shared``
+    shared experts, all SwiGLU of width d_e (3 d d_e each), plus the router (d E).
+    The balancing bias is a buffer, not a parameter. Active: the router, the shared
+    experts, and top_k / E of the routed ones. The whole MoE part of a block's
+    count, so a preset's size can be checked against it alone."""
+    d, d_e = cfg.d_model, cfg.expert_dim
+    routed = cfg.n_experts * 3 * d * d_e
+    shared = cfg.moe_shared * 3 * d * d_e
+    router = d * cfg.n_experts
+    return routed + shared + router, router + shared + routed * cfg.moe_top_k / cfg.n_experts
+
+
+def moe_mlp_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one MoE MLP: the router (2 d E) and top_k routed
+    plus ``moe_shared`` shared experts of width d_e (6 d d_e each)."""
+    d, d_e = cfg.d_model, cfg.expert_dim
+    return 2 * d * cfg.n_experts + (cfg.moe_top_k + cfg.moe_shared) * 6 * d * d_e
 
 
 def block_flops(cfg: ModelConfig, letter: str, context: int) -> float:
@@ -134,8 +152,7 @@ def block_flops(cfg: ModelConfig, letter: str, context: int) -> float:
     if letter == "D":
         return attn + 6 * d * f
     if letter == "E":
-        router = 2 * d * cfg.n_experts
-        return attn + router + cfg.moe_top_k * 6 * d * cfg.expert_dim
+        return attn + moe_mlp_flops(cfg)
     k = capacity_tokens(cfg.depth.capacity, T)
     return sparse_block_flops(cfg, k / T, k)
 

@@ -56,6 +56,8 @@ def evaluate_run(
     ``routing_agreement`` (None without sparse blocks), ``capacity_causal`` (one
     fraction per sparse block; empty without), ``kv_bytes_per_token`` and
     ``kv_fraction`` (:func:`kv_cache_per_token`, on the first batch of windows),
+    with MoE blocks ``expert_load_max_over_mean`` (per MoE layer, the busiest
+    expert's assignments over the mean, averaged over the batches: 1 is even),
     and with sparse blocks: ``threshold_rule`` and ``threshold_source``
     (``checkpoint``, or calibrated here in memory for a run that never stored its
     thresholds), ``val_loss_causal_half`` and ``capacity_causal_half`` (the half
@@ -118,7 +120,8 @@ def evaluate_run(
     if split != "val":  # the val_* keys are kept for readers of earlier results
         for key in ("loss_topk", "loss_causal", "bpb", "bpb_causal"):
             result[f"{split}_{key}"] = result[f"val_{key}"]
-    for key in ("coverage", "depth_hist", "jaccard", "stages", "stages_causal"):
+    for key in ("coverage", "depth_hist", "jaccard", "stages", "stages_causal",
+                "expert_load_max_over_mean"):
         if key in ev:
             result[key] = ev[key]
     result.update(kv_cache_per_token(model, batches[0][0].to(device)))

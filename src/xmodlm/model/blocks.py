@@ -25,7 +25,7 @@ from xmodlm.model import routing
 from xmodlm.model.depth_router import DepthRouter
 from xmodlm.model.kv_cache import BlockCache
 from xmodlm.model.layers import Attention, RMSNorm, Rotary, SwiGLU, attention, matmul_dtype
-from xmodlm.model.moe import MoEMLP
+from xmodlm.model.moe import EXPERT_LOAD, MoEMLP
 
 
 class Block(nn.Module):
@@ -41,7 +41,10 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp: nn.Module
         if moe:
-            self.mlp = MoEMLP(cfg.d_model, cfg.expert_dim, cfg.n_experts, cfg.moe_top_k)
+            self.mlp = MoEMLP(
+                cfg.d_model, cfg.expert_dim, cfg.n_experts, cfg.moe_top_k,
+                router=cfg.moe_router, n_shared=cfg.moe_shared, bias_rate=cfg.moe_bias_rate,
+            )
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
 
@@ -143,6 +146,7 @@ class BlockOutput:
     topk_BT: torch.Tensor | None = None  # top-k membership
     causal_BT: torch.Tensor | None = None  # causal decision
     processed_BT: torch.Tensor | None = None  # tokens actually processed in this pass
+    expert_load_E: torch.Tensor | None = None  # assignments per expert, MoE blocks only
 
 
 class DenseBlock(nn.Module):
@@ -170,7 +174,8 @@ class DenseBlock(nn.Module):
         """``rot``: the (cos, sin) tables at ``pos_T``, when the caller computed them once."""
         cos, sin = rope(pos_T) if rot is None else rot
         f, aux = self.block.branch(x_BTD, cos, sin)
-        return x_BTD + f, BlockOutput(aux=aux)
+        load_E = aux.pop(EXPERT_LOAD, None)  # a statistic, not a loss
+        return x_BTD + f, BlockOutput(aux=aux, expert_load_E=load_E)
 
     def prefill(self, x_BTD: torch.Tensor, prompts: Prompts, cache: BlockCache) -> torch.Tensor:
         """Every prompt token through the block; keys and values of real tokens cached."""

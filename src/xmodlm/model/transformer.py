@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +21,7 @@ from xmodlm.flops import active_depth, capacity_tokens
 from xmodlm.model import routing
 from xmodlm.model.blocks import BlockOutput, DenseBlock, RoutedBlock
 from xmodlm.model.layers import RMSNorm, Rotary, cross_entropy_fp32, matmul_dtype
+from xmodlm.model.moe import MoEMLP, load_imbalance
 
 ROUTING_MODES = ("topk", "causal", "calibrate")
 
@@ -136,7 +137,7 @@ class Transformer(nn.Module):
         def stack_variance(gamma: float) -> float:
             for block in routed:
                 block.gamma.fill_(gamma)
-            *_, (_, x_BTD, _) = self.run_blocks(x0_BTD, pos_T, "topk", (cos, sin))
+            x_BTD, _ = self.run_blocks(x0_BTD, pos_T, "topk", (cos, sin))
             return float((x_BTD - x0_BTD).pow(2).mean())
 
         n_hi = min(len(self.blocks), math.ceil(l_ae))
@@ -153,11 +154,15 @@ class Transformer(nn.Module):
         pos_T: torch.Tensor,
         mode: str,
         rot: tuple[torch.Tensor, torch.Tensor],
-    ) -> Iterator[tuple[nn.Module, torch.Tensor, BlockOutput]]:
-        """Each block in turn on the stream: yields (block, stream after it, its
-        output). Carries the token-choice bias through each stage
-        (:class:`routing.TokenBias`): the one loop every full-sequence pass runs."""
+        each: Callable[[torch.Tensor], None] | None = None,
+    ) -> tuple[torch.Tensor, list[BlockOutput]]:
+        """Every block in turn on the stream: returns the stream after the last and
+        each block's output, calling ``each`` on the stream after every block. Carries
+        the token-choice bias through each stage (:class:`routing.TokenBias`): the one
+        loop every full-sequence pass runs. A plain loop, not a generator, so that
+        ``torch.compile`` can resume it after a block's graph break (MoE dispatch)."""
         bias = routing.TokenBias(self.cfg.token_bias, self.cfg.token_bias_step)
+        outs: list[BlockOutput] = []
         for block in self.blocks:
             if isinstance(block, RoutedBlock):
                 x_BTD, out = block(x_BTD, self.rope, pos_T, mode, rot, bias.shift())
@@ -165,7 +170,10 @@ class Transformer(nn.Module):
             else:
                 x_BTD, out = block(x_BTD, self.rope, pos_T, mode, rot)
                 bias.reset()
-            yield block, x_BTD, out
+            outs.append(out)
+            if each is not None:
+                each(x_BTD)
+        return x_BTD, outs
 
     def routed_blocks(self) -> list[RoutedBlock]:
         return [b for b in self.blocks if isinstance(b, RoutedBlock)]
@@ -229,13 +237,13 @@ class Transformer(nn.Module):
         x_BTD = self.embed(idx_BT)
         # rotary tables once per forward, already in the dtype attention runs in
         rot = self.rope(pos_T, matmul_dtype(x_BTD))
-        outs: list[BlockOutput] = []
         rms: list[float] = []
-        x0_BTD = x_BTD
-        for _, x_BTD, out in self.run_blocks(x0_BTD, pos_T, routing_mode, rot):  # noqa: B007
-            outs.append(out)
-            if return_stats:
-                rms.append(float(x_BTD.detach().float().pow(2).mean(-1).sqrt().mean()))
+
+        def residual_rms(x_BTD: torch.Tensor) -> None:
+            rms.append(float(x_BTD.detach().float().pow(2).mean(-1).sqrt().mean()))
+
+        x_BTD, outs = self.run_blocks(x_BTD, pos_T, routing_mode, rot,
+                                      residual_rms if return_stats else None)
         if routing_mode == "calibrate":  # the thresholds are set: no (N, T, V) logits
             return ModelOutput(logits=x_BTD.new_empty(0))
         logits = self.head(self.norm(x_BTD, matmul_dtype(x_BTD)))
@@ -275,13 +283,25 @@ class Transformer(nn.Module):
         return {k: v.detach() for k, v in aux.items()}, total
 
     def _stats(self, outs: list[BlockOutput]) -> dict[str, object]:
+        stats: dict[str, object] = {}
+        loads = [o.expert_load_E for o in outs if o.expert_load_E is not None]
+        if loads:  # per MoE layer, in depth order
+            stats["expert_load_max_over_mean"] = [load_imbalance(c) for c in loads]
         sparse = [o for o in outs if o.r_BT is not None]
         if not sparse:
-            return {}
+            return stats
         topk = [o.topk_BT for o in sparse]
-        return routing.routing_stats(
+        return stats | routing.routing_stats(
             selections=[o.processed_BT for o in sparse],
             windows=self.windows,
             causal=[o.causal_BT for o in sparse],
             topk=topk if all(t is not None for t in topk) else None,
         )
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """What the model does once per optimiser step, after it: each MoE layer's
+        loss-free balancing step (:meth:`MoEMLP.after_optimizer_step`)."""
+        for module in self.modules():
+            if isinstance(module, MoEMLP):
+                module.after_optimizer_step()

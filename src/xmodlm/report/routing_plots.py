@@ -60,7 +60,8 @@ def token_routing(model: Transformer, ids: list[int]) -> dict[str, np.ndarray]:
     for mode in ROUTINGS:
         x = model.embed(idx)
         rot = model.rope(pos, matmul_dtype(x))
-        for block, _, out in model.run_blocks(x, pos, mode, rot):
+        _, outs = model.run_blocks(x, pos, mode, rot)
+        for block, out in zip(model.blocks, outs, strict=True):
             if isinstance(block, RoutedBlock):
                 assert out.processed_BT is not None and out.r_BT is not None
                 rows[mode].append(out.processed_BT[0].cpu().numpy())

@@ -200,7 +200,8 @@ def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
 # Config fields added after sweeps were committed, with the value that means what
 # runs before them did in training: hashed only when set otherwise, so that a new
 # field never renames (and so reruns) the runs of a committed sweep.
-# model.causal_threshold changes only how a trained model routes at inference.
+# model.causal_threshold changes only how a trained model routes at inference; the
+# MoE fields at these values are the switch MoE every committed MoE run trained.
 ID_NEUTRAL = {
     ("model", "causal_threshold"): "calibrated",
     # the paper's (K, A, N0) construction: unused while active_layers is 0
@@ -217,6 +218,8 @@ ID_NEUTRAL = {
     ("train", "muon_nesterov"): True,
     ("train", "muon_ns_steps"): 5,
     ("train", "muon_rms_match"): 0.2,
+    ("model", "moe_router"): "switch", ("model", "moe_granularity"): 1,
+    ("model", "moe_shared"): 0, ("model", "moe_bias_rate"): 1e-3,
 }
 
 
