@@ -175,18 +175,53 @@ def recommend_args(sub: argparse._SubParsersAction) -> None:
                    help="largest total parameter count a candidate may have")
     p.add_argument("--vocab-size", type=int, default=4096,
                    help="vocabulary of the models compared (it sets the LM head's FLOPs)")
-    p.add_argument("--law", default=None, help="fit JSON (default: the shipped fit)")
+    p.add_argument("--law", default=None,
+                   help="'paper' (the paper's Eq. 14 with its Table 8 fit), a fit JSON of"
+                   " either kind (`xmod law fit`, `xmod law fit --form paper`), or nothing"
+                   " (the shipped ln-ratio fit)")
     p.add_argument("--loss", default=None, choices=["causal", "topk"],
                    help="the loss to optimise; the law must have been fitted on it"
                    " (default: the law's own, causal unless its table had only top-k)")
+    p.add_argument("--extrapolate", action="store_true",
+                   help="paper law: let K range over 2-64 beyond the fitted range (each such"
+                   " candidate is flagged)")
+    p.add_argument("--dense-prefix", type=int, action="append", default=None, metavar="N0",
+                   help="paper law: dense prefix N0 to enumerate (repeatable; default 4)")
+    p.add_argument("--active-layers", type=count_int, default=28,
+                   help="paper law: active-equivalent depth of the backbone (default 28)")
+    p.add_argument("--top", type=count_int, default=None,
+                   help="paper law: list only the best TOP candidates (all are ranked)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_recommend)
 
 
+def _paper_law(name: str | None) -> Any:
+    """The paper's law named by ``--law`` (``paper``, or a JSON of that kind), else None."""
+    from xmodlm.law import paper
+
+    if name == "paper" and not Path(name).is_file():
+        return paper.table8()
+    if name and Path(name).is_file() and Path(name).suffix.lower() == ".json":
+        try:
+            data = json.loads(Path(name).read_text())
+        except ValueError:
+            return None  # load_fit says what is wrong with it
+        if paper.is_paper_json(data):
+            return paper.PaperLaw.from_json(data)
+    return None
+
+
 def cmd_recommend(args: argparse.Namespace) -> int:
+    from xmodlm.errors import UserError
     from xmodlm.law.lawfit import load_fit
     from xmodlm.law.recommend import recommend
 
+    law = _paper_law(args.law)
+    if law is not None:
+        return _recommend_paper(args, law)
+    if args.extrapolate or args.dense_prefix or args.top:
+        raise UserError("--extrapolate, --dense-prefix and --top apply to the paper law"
+                        " (--law paper): the ln-ratio law ranks (S, c) FLOP-matched models")
     result = recommend(
         args.compute, args.context, args.active_params,
         law=load_fit(args.law) if args.law else None,
@@ -202,4 +237,38 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         print(f"(the law predicts the {result['loss']}-routing validation loss)")
         for w in result.get("warnings", []):
             print(f"warning: {w}", file=sys.stderr)
+    return 0
+
+
+def _recommend_paper(args: argparse.Namespace, law: Any) -> int:
+    from xmodlm.law.paper_recommend import recommend_paper
+
+    if args.loss not in (None, "causal"):
+        from xmodlm.errors import UserError
+
+        raise UserError("the paper's law predicts the causal-routing loss only (--loss causal)")
+    result = recommend_paper(
+        args.compute, args.context, args.active_params, law=law,
+        max_total_params=args.max_total_params, extrapolate=args.extrapolate,
+        dense_prefixes=args.dense_prefix or (4,), active_layers=args.active_layers,
+        top=args.top,
+    )
+    if args.json:
+        print_json(result)
+        return 0
+    o = result["optimum"]
+    print(result["answer"])
+    print(f"law: {result['law']['name']} ({result['law']['form']})")
+    khat = "none (no interior minimum)" if o["k_hat"] is None else f"{o['k_hat']:.1f}"
+    at1 = o["grid_best_at_a1"]
+    print(f"K_hat (Eq. 14 minimised over K at A = 1): {khat}; best grid K at A = 1:"
+          f" {at1['sparsity']:g} (Delta {at1['delta']:+.3f})" if at1 else "")
+    print(f"{'K':>4} {'A':>4} {'N0':>3} {'blocks':>6} {'N total':>9} {'phi/phiD':>8}"
+          f" {'Delta':>7}  outside")
+    for e in result["candidates"][: args.top or 10]:
+        print(f"{e['sparsity']:>4g} {e['anchor_stride']:>4g} {e['dense_prefix']:>3}"
+              f" {e['blocks']:>6} {e['params_total'] / 1e9:>8.3g}B {e['flops_ratio']:>8.2f}"
+              f" {e['delta']:>+7.3f}  {'; '.join(e['outside'])}")
+    for w in result["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
     return 0
