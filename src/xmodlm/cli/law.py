@@ -48,7 +48,23 @@ class _LazyChoices:
 def _delta_forms() -> list[str]:
     from xmodlm.law.delta import FORMS
 
-    return ["auto", *FORMS]
+    return ["auto", "paper", *FORMS]
+
+
+PAPER_BOOT = 200  # each replicate of the paper's fit is two differential evolutions
+LN_RATIO_BOOT = 1000
+
+
+def _out_of_range(text: str) -> tuple[str, float]:
+    """``column=threshold`` of an out-of-range group (runs at or above it)."""
+    key, sep, value = text.partition("=")
+    try:
+        if not sep or not key.strip():
+            raise ValueError
+        return key.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected COLUMN=THRESHOLD, e.g. context=65536") from None
 
 
 def law_args(sub: argparse._SubParsersAction) -> None:
@@ -58,11 +74,20 @@ def law_args(sub: argparse._SubParsersAction) -> None:
     p = law_sub.add_parser("fit", help="fit the dense law and the X-MoD delta law")
     p.add_argument("results", help="results table (CSV or Parquet)")
     p.add_argument("--form", default="auto", choices=_LazyChoices(_delta_forms),
-                   help="delta form (auto: chosen by held-out error)")
+                   help="paper: the paper's Eq. 14 on the additive residual, fitted its way;"
+                   " else an ln-ratio delta form (auto: chosen by held-out error)")
+    p.add_argument("--curves", default=None, metavar="SWEEP_DIR",
+                   help="--form paper: the sweep whose runs' metrics.jsonl give the dense"
+                   " validation curves (default: each dense run's final point only)")
+    p.add_argument("--out-of-range", type=_out_of_range, action="append", default=None,
+                   metavar="COLUMN=THRESHOLD",
+                   help="--form paper: runs at or above this value are named out of range"
+                   " before fitting, left out and predicted (repeatable; e.g. context=65536)")
     p.add_argument("--holdout", default=None,
                    help="leave-cell-out | top-compute | longest-context")
-    p.add_argument("--n-boot", type=int, default=1000,
-                   help="bootstrap replicates (at least 100; default 1000)")
+    p.add_argument("--n-boot", type=int, default=None,
+                   help=f"bootstrap replicates (at least 100; default {LN_RATIO_BOOT}, or"
+                   f" {PAPER_BOOT} with --form paper, where 0 skips it)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the bootstrap")
     p.add_argument("--loss", default="causal", choices=["causal", "topk"],
                    help="validation loss to fit (default causal: what decoding gets)")
@@ -98,8 +123,15 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
         check_out_file(args.out)
     if args.plots:
         check_out_dir(args.plots, "--plots")
+    if args.form == "paper":
+        return _fit_paper(args)
+    if args.curves or args.out_of_range:
+        from xmodlm.errors import UserError
+
+        raise UserError("--curves and --out-of-range apply to --form paper")
+    n_boot = LN_RATIO_BOOT if args.n_boot is None else args.n_boot
     fit = fit_law(read_table(args.results), form=args.form, holdout=args.holdout,
-                  n_boot=args.n_boot, seed=args.seed, loss=args.loss,
+                  n_boot=n_boot, seed=args.seed, loss=args.loss,
                   min_steps=args.min_steps, family=args.family, baseline=args.baseline,
                   lr=args.lr)
     if args.out:
@@ -131,6 +163,38 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
     for flag in payload["identification"]["flags"]:
         print(f"NOT IDENTIFIED: {flag['law']} {flag['param']}: {flag['problem']}")
     print(json.dumps(payload["metrics"], indent=2))
+    return 0
+
+
+def _fit_paper(args: argparse.Namespace) -> int:
+    """``xmod law fit --form paper``: Delta against the dense curves, Eq. 14 fitted the
+    paper's way, its grouped held-out tests and bootstrap."""
+    from xmodlm.errors import UserError
+    from xmodlm.law.paper_fit import fit_paper
+    from xmodlm.law.reference import law_frame, read_curves
+    from xmodlm.law.table import read_table
+
+    n_boot = PAPER_BOOT if args.n_boot is None else args.n_boot
+    if n_boot < 0:
+        raise UserError(f"--n-boot {n_boot}: must be >= 0")
+    curves = read_curves(args.curves) if args.curves else None
+    frame, record = law_frame(read_table(args.results), curves, loss=args.loss,
+                              min_steps=args.min_steps, seed=args.seed)
+    law = fit_paper(frame, n_boot=n_boot, seed=args.seed,
+                    out_of_range=dict(args.out_of_range or []), reference=record)
+    if args.out:
+        from xmodlm.fileio import atomic_write_json
+
+        atomic_write_json(Path(args.out), law.to_json())
+    payload = law.to_json(samples=args.samples)
+    if args.json:
+        print_json(payload)
+        return 0
+    print(f"paper law (Eq. 14) on {law.provenance['runs']} sparse runs; references:"
+          f" {record['references']}; counts: {record['counts']}")
+    for note in record["notes"]:
+        print(f"note: {note}")
+    print(json.dumps({"params": law.value, "metrics": law.metrics}, indent=2))
     return 0
 
 
