@@ -84,7 +84,8 @@ def law_args(sub: argparse._SubParsersAction) -> None:
                    help="--form paper: runs at or above this value are named out of range"
                    " before fitting, left out and predicted (repeatable; e.g. context=65536)")
     p.add_argument("--holdout", default=None,
-                   help="leave-cell-out | top-compute | longest-context")
+                   help="leave-cell-out | top-compute | longest-context; with --form paper:"
+                   " leave-context-out,leave-scale-out,leave-a-out (default all) or none")
     p.add_argument("--n-boot", type=int, default=None,
                    help=f"bootstrap replicates (at least 100; default {LN_RATIO_BOOT}, or"
                    f" {PAPER_BOOT} with --form paper, where 0 skips it)")
@@ -170,6 +171,7 @@ def _fit_paper(args: argparse.Namespace) -> int:
     """``xmod law fit --form paper``: Delta against the dense curves, Eq. 14 fitted the
     paper's way, its grouped held-out tests and bootstrap."""
     from xmodlm.errors import UserError
+    from xmodlm.law.paper_fit import PROTOCOLS as PAPER_PROTOCOLS
     from xmodlm.law.paper_fit import fit_paper
     from xmodlm.law.reference import law_frame, read_curves
     from xmodlm.law.table import read_table
@@ -180,7 +182,14 @@ def _fit_paper(args: argparse.Namespace) -> int:
     curves = read_curves(args.curves) if args.curves else None
     frame, record = law_frame(read_table(args.results), curves, loss=args.loss,
                               min_steps=args.min_steps, seed=args.seed)
-    law = fit_paper(frame, n_boot=n_boot, seed=args.seed,
+    protocols = PAPER_PROTOCOLS
+    if args.holdout:
+        protocols = () if args.holdout == "none" else tuple(args.holdout.split(","))
+        unknown = [p for p in protocols if p not in PAPER_PROTOCOLS]
+        if unknown:
+            raise UserError(f"--holdout {unknown[0]!r}: with --form paper, one or more of"
+                            f" {', '.join(PAPER_PROTOCOLS)} (comma-separated), or none")
+    law = fit_paper(frame, n_boot=n_boot, seed=args.seed, protocols=protocols,
                     out_of_range=dict(args.out_of_range or []), reference=record)
     if args.out:
         from xmodlm.fileio import atomic_write_json
