@@ -333,9 +333,12 @@ def _recommend_paper(args: argparse.Namespace, law: Any) -> int:
     print(result["answer"])
     print(f"law: {result['law']['name']} ({result['law']['form']})")
     khat = "none (no interior minimum)" if o["k_hat"] is None else f"{o['k_hat']:.1f}"
+    if o["k_hat_outside_range"]:
+        khat += " (outside the fitted K range)"
     at1 = o["grid_best_at_a1"]
-    print(f"K_hat (Eq. 14 minimised over K at A = 1): {khat}; best grid K at A = 1:"
-          f" {at1['sparsity']:g} (Delta {at1['delta']:+.3f})" if at1 else "")
+    best_at1 = (f"; best grid K at A = 1: {at1['sparsity']:g} (Delta {at1['delta']:+.3f})"
+                if at1 else "")
+    print(f"K_hat (Eq. 14 minimised over K at A = 1): {khat}{best_at1}")
     print(f"{'K':>4} {'A':>4} {'N0':>3} {'blocks':>6} {'N total':>9} {'phi/phiD':>8}"
           f" {'Delta':>7}  outside")
     for e in result["candidates"][: args.top or 10]:

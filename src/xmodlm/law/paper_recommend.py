@@ -147,7 +147,7 @@ def recommend_paper(
                         " Eq. 14 rewards K without bound there at A > 1")
     return {
         "answer": answer,
-        "law": {"kind": "paper", "name": law.name, "form": "paper (Eq. 14, additive Delta)",
+        "law": {"kind": "paper", "name": law.name, "form": "Eq. 14 on the additive Delta",
                 "params": law.value, "ranges": law.ranges, "provenance": law.provenance},
         "inputs": {"compute": compute, "context": int(context), "active_params": active_params,
                    "max_total_params": max_total_params, "extrapolate": extrapolate,
