@@ -97,8 +97,11 @@ def fit_two_stage(x: paper.Point, y: np.ndarray, w: np.ndarray | None = None, se
     w = np.ones(len(y)) if w is None else np.asarray(w, dtype=float)
     base = (x.anchor_stride == 1) & (w > 0)
     if base.sum() < 6:
-        raise UserError(f"stage 1 of the paper's fit needs at least 6 A = 1 runs; got"
-                        f" {int(base.sum())}")
+        seen = ", ".join(f"{a:g}" for a in np.unique(x.anchor_stride[w > 0])[:8])
+        raise UserError(
+            f"stage 1 of the paper's fit needs at least 6 runs at anchor stride A = 1 (its"
+            f" K and L sweeps); got {int(base.sum())} (A values: {seen}); an (S, c) sweep"
+            " has A = (S - 1) c, rarely 1: use the ln-ratio forms for it")
     xb, yb, wb = x.subset(base), y[base], w[base]
     signs1 = np.array([-1.0, 1.0])
 

@@ -78,19 +78,8 @@ def recommend_paper(
     scale = active_params / backbone.dense_total  # N fed to the law: totals' ratio times N_act
     dense_model = bb.build(backbone, 1, 0, 0)
     f_dense = dense_model.flops_forward(int(context))
-    ks, a_values = _grid(law, extrapolate)
-    models, excluded = [], 0
-    for n0 in sorted({int(n) for n in dense_prefixes}):
-        for k in ks:
-            for a in a_values:
-                try:
-                    m = bb.build(backbone, k, a, n0)
-                except depth.DepthError:
-                    continue  # A K not whole, or the active depth not buildable
-                if max_total_params is not None and m.params_total > max_total_params:
-                    excluded += 1
-                    continue
-                models.append(m)
+    models, excluded = _candidates(backbone, *_grid(law, extrapolate), dense_prefixes,
+                                   max_total_params)
     if not models:
         raise UserError(
             "no (K, A, N0) candidate: " + ("every one is above max_total_params"
@@ -139,7 +128,7 @@ def recommend_paper(
               f" {best['params_total'] / 1e9:.3g}B total): predicted Delta {best['delta']:+.3f}"
               " nats against dense")
     warnings = []
-    if paper.TABLE8_RANGE and law.outside(question):
+    if law.outside(question):
         warnings.append("the question lies outside the law's fitted range ("
                         + "; ".join(law.outside(question)) + "): every answer extrapolates")
     if best["outside_range"] and extrapolate:
@@ -170,6 +159,26 @@ def recommend_paper(
                   " training FLOPs; the dense reference itself has delta 0"],
         "warnings": warnings,
     }
+
+
+def _candidates(backbone: bb.Backbone, ks: list[int], a_values: list[float],
+                dense_prefixes: Sequence[int], max_total_params: float | None
+                ) -> tuple[list[bb.Model], int]:
+    """Every (K, A, N0) model the construction builds, and how many were above
+    ``max_total_params``."""
+    models, excluded = [], 0
+    for n0 in sorted({int(n) for n in dense_prefixes}):
+        for k in ks:
+            for a in a_values:
+                try:
+                    m = bb.build(backbone, k, a, n0)
+                except depth.DepthError:
+                    continue  # A K not whole, or the active depth not buildable
+                if max_total_params is not None and m.params_total > max_total_params:
+                    excluded += 1
+                else:
+                    models.append(m)
+    return models, excluded
 
 
 def _k_optimum(law: paper.PaperLaw, backbone: bb.Backbone, active_params: float, context: int,
