@@ -162,3 +162,37 @@ def test_cli_fit_paper_then_recommend(tmp_path, capsys) -> None:
                  "--active-params", "556e6", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert answer["law"]["name"] == "fitted" and answer["best"]["delta"] < 0
+
+
+def test_law_frame_without_embedding_counts_uses_eqs_4_5() -> None:
+    curves = pd.DataFrame({"run_id": ["d"] * 3, "compute": [1e15, 4e15, 1.6e16],
+                           "val_loss": [4.0, 3.4, 2.9]})
+    frame, record = reference.law_frame(_runs(), curves, use_law=False)
+    assert record["left_out_no_reference"] == 1 and len(frame) == 2
+    assert "Eqs. 4-5" in record["counts"] and record["notes"]
+    # S = 9, c = 1/8: K = 8, A = 1, and N / N_act = blocks / active depth = 9 / 2
+    assert frame["sparsity"].tolist() == [8.0, 8.0] and frame["anchor_stride"].tolist() == [1, 1]
+    assert (frame["params_total"] / frame["params_active"]).tolist() == pytest.approx([4.5, 4.5])
+    assert frame["delta"].iloc[0] == pytest.approx(2.9 - 3.15)
+
+
+def test_reference_falls_back_to_the_dense_law() -> None:
+    """No dense curve covers the sparse run's budget: the fitted dense law of its
+    context answers, at the dense FLOPs per token of its size."""
+    rng = np.random.default_rng(0)
+    n = np.repeat([1e6, 2e6, 4e6, 8e6], 3)
+    d = np.tile([1e8, 3e8, 1e9], 4)
+    loss = 1.8 + 40 / n**0.3 + 80 / d**0.25
+    table = pd.DataFrame({"run_id": [f"d{i}" for i in range(12)], "params_active": n,
+                          "tokens": d, "compute": 6 * n * d, "flops_per_token": 6 * n,
+                          "val_loss": loss * np.exp(rng.normal(0, 1e-3, 12)),
+                          "stride": 1, "capacity": 1.0, "context": 512, "status": "ok"})
+    sparse = pd.DataFrame({"run_id": ["s"], "params_active": [2e6], "tokens": [5e9],
+                           "compute": [5e16], "flops_per_token": [1e7], "val_loss": [2.5],
+                           "stride": [9], "capacity": [0.125], "context": [512],
+                           "status": ["ok"]})
+    frame = validate(pd.concat([table, sparse], ignore_index=True)).frame
+    ref = reference.references(frame, None)
+    assert ref.loc[12, "reference"] == "dense law"
+    expected = 1.8 + 40 / 2e6**0.3 + 80 / (5e16 / 12e6) ** 0.25
+    assert ref.loc[12, "reference_loss"] == pytest.approx(expected, rel=0.01)
