@@ -48,7 +48,23 @@ class _LazyChoices:
 def _delta_forms() -> list[str]:
     from xmodlm.law.delta import FORMS
 
-    return ["auto", *FORMS]
+    return ["auto", "paper", *FORMS]
+
+
+PAPER_BOOT = 200  # each replicate of the paper's fit is two differential evolutions
+LN_RATIO_BOOT = 1000
+
+
+def _out_of_range(text: str) -> tuple[str, float]:
+    """``column=threshold`` of an out-of-range group (runs at or above it)."""
+    key, sep, value = text.partition("=")
+    try:
+        if not sep or not key.strip():
+            raise ValueError
+        return key.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected COLUMN=THRESHOLD, e.g. context=65536") from None
 
 
 def law_args(sub: argparse._SubParsersAction) -> None:
@@ -58,11 +74,21 @@ def law_args(sub: argparse._SubParsersAction) -> None:
     p = law_sub.add_parser("fit", help="fit the dense law and the X-MoD delta law")
     p.add_argument("results", help="results table (CSV or Parquet)")
     p.add_argument("--form", default="auto", choices=_LazyChoices(_delta_forms),
-                   help="delta form (auto: chosen by held-out error)")
+                   help="paper: the paper's Eq. 14 on the additive residual, fitted its way;"
+                   " else an ln-ratio delta form (auto: chosen by held-out error)")
+    p.add_argument("--curves", default=None, metavar="SWEEP_DIR",
+                   help="--form paper: the sweep whose runs' metrics.jsonl give the dense"
+                   " validation curves (default: each dense run's final point only)")
+    p.add_argument("--out-of-range", type=_out_of_range, action="append", default=None,
+                   metavar="COLUMN=THRESHOLD",
+                   help="--form paper: runs at or above this value are named out of range"
+                   " before fitting, left out and predicted (repeatable; e.g. context=65536)")
     p.add_argument("--holdout", default=None,
-                   help="leave-cell-out | top-compute | longest-context")
-    p.add_argument("--n-boot", type=int, default=1000,
-                   help="bootstrap replicates (at least 100; default 1000)")
+                   help="leave-cell-out | top-compute | longest-context; with --form paper:"
+                   " leave-context-out,leave-scale-out,leave-a-out (default all) or none")
+    p.add_argument("--n-boot", type=int, default=None,
+                   help=f"bootstrap replicates (at least 100; default {LN_RATIO_BOOT}, or"
+                   f" {PAPER_BOOT} with --form paper, where 0 skips it)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the bootstrap")
     p.add_argument("--loss", default="causal", choices=["causal", "topk"],
                    help="validation loss to fit (default causal: what decoding gets)")
@@ -98,8 +124,15 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
         check_out_file(args.out)
     if args.plots:
         check_out_dir(args.plots, "--plots")
+    if args.form == "paper":
+        return _fit_paper(args)
+    if args.curves or args.out_of_range:
+        from xmodlm.errors import UserError
+
+        raise UserError("--curves and --out-of-range apply to --form paper")
+    n_boot = LN_RATIO_BOOT if args.n_boot is None else args.n_boot
     fit = fit_law(read_table(args.results), form=args.form, holdout=args.holdout,
-                  n_boot=args.n_boot, seed=args.seed, loss=args.loss,
+                  n_boot=n_boot, seed=args.seed, loss=args.loss,
                   min_steps=args.min_steps, family=args.family, baseline=args.baseline,
                   lr=args.lr)
     if args.out:
@@ -131,6 +164,46 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
     for flag in payload["identification"]["flags"]:
         print(f"NOT IDENTIFIED: {flag['law']} {flag['param']}: {flag['problem']}")
     print(json.dumps(payload["metrics"], indent=2))
+    return 0
+
+
+def _fit_paper(args: argparse.Namespace) -> int:
+    """``xmod law fit --form paper``: Delta against the dense curves, Eq. 14 fitted the
+    paper's way, its grouped held-out tests and bootstrap."""
+    from xmodlm.errors import UserError
+    from xmodlm.law.paper_fit import PROTOCOLS as PAPER_PROTOCOLS
+    from xmodlm.law.paper_fit import fit_paper
+    from xmodlm.law.reference import law_frame, read_curves
+    from xmodlm.law.table import read_table
+
+    n_boot = PAPER_BOOT if args.n_boot is None else args.n_boot
+    if n_boot < 0:
+        raise UserError(f"--n-boot {n_boot}: must be >= 0")
+    curves = read_curves(args.curves) if args.curves else None
+    frame, record = law_frame(read_table(args.results), curves, loss=args.loss,
+                              min_steps=args.min_steps, seed=args.seed)
+    protocols = PAPER_PROTOCOLS
+    if args.holdout:
+        protocols = () if args.holdout == "none" else tuple(args.holdout.split(","))
+        unknown = [p for p in protocols if p not in PAPER_PROTOCOLS]
+        if unknown:
+            raise UserError(f"--holdout {unknown[0]!r}: with --form paper, one or more of"
+                            f" {', '.join(PAPER_PROTOCOLS)} (comma-separated), or none")
+    law = fit_paper(frame, n_boot=n_boot, seed=args.seed, protocols=protocols,
+                    out_of_range=dict(args.out_of_range or []), reference=record)
+    if args.out:
+        from xmodlm.fileio import atomic_write_json
+
+        atomic_write_json(Path(args.out), law.to_json())
+    payload = law.to_json(samples=args.samples)
+    if args.json:
+        print_json(payload)
+        return 0
+    print(f"paper law (Eq. 14) on {law.provenance['runs']} sparse runs; references:"
+          f" {record['references']}; counts: {record['counts']}")
+    for note in record["notes"]:
+        print(f"note: {note}")
+    print(json.dumps({"params": law.value, "metrics": law.metrics}, indent=2))
     return 0
 
 
@@ -175,18 +248,53 @@ def recommend_args(sub: argparse._SubParsersAction) -> None:
                    help="largest total parameter count a candidate may have")
     p.add_argument("--vocab-size", type=int, default=4096,
                    help="vocabulary of the models compared (it sets the LM head's FLOPs)")
-    p.add_argument("--law", default=None, help="fit JSON (default: the shipped fit)")
+    p.add_argument("--law", default=None,
+                   help="'paper' (the paper's Eq. 14 with its Table 8 fit), a fit JSON of"
+                   " either kind (`xmod law fit`, `xmod law fit --form paper`), or nothing"
+                   " (the shipped ln-ratio fit)")
     p.add_argument("--loss", default=None, choices=["causal", "topk"],
                    help="the loss to optimise; the law must have been fitted on it"
                    " (default: the law's own, causal unless its table had only top-k)")
+    p.add_argument("--extrapolate", action="store_true",
+                   help="paper law: let K range over 2-64 beyond the fitted range (each such"
+                   " candidate is flagged)")
+    p.add_argument("--dense-prefix", type=int, action="append", default=None, metavar="N0",
+                   help="paper law: dense prefix N0 to enumerate (repeatable; default 4)")
+    p.add_argument("--active-layers", type=count_int, default=28,
+                   help="paper law: active-equivalent depth of the backbone (default 28)")
+    p.add_argument("--top", type=count_int, default=None,
+                   help="paper law: list only the best TOP candidates (all are ranked)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_recommend)
 
 
+def _paper_law(name: str | None) -> Any:
+    """The paper's law named by ``--law`` (``paper``, or a JSON of that kind), else None."""
+    from xmodlm.law import paper
+
+    if name == "paper" and not Path(name).is_file():
+        return paper.table8()
+    if name and Path(name).is_file() and Path(name).suffix.lower() == ".json":
+        try:
+            data = json.loads(Path(name).read_text())
+        except ValueError:
+            return None  # load_fit says what is wrong with it
+        if paper.is_paper_json(data):
+            return paper.PaperLaw.from_json(data)
+    return None
+
+
 def cmd_recommend(args: argparse.Namespace) -> int:
+    from xmodlm.errors import UserError
     from xmodlm.law.lawfit import load_fit
     from xmodlm.law.recommend import recommend
 
+    law = _paper_law(args.law)
+    if law is not None:
+        return _recommend_paper(args, law)
+    if args.extrapolate or args.dense_prefix or args.top:
+        raise UserError("--extrapolate, --dense-prefix and --top apply to the paper law"
+                        " (--law paper): the ln-ratio law ranks (S, c) FLOP-matched models")
     result = recommend(
         args.compute, args.context, args.active_params,
         law=load_fit(args.law) if args.law else None,
@@ -202,4 +310,41 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         print(f"(the law predicts the {result['loss']}-routing validation loss)")
         for w in result.get("warnings", []):
             print(f"warning: {w}", file=sys.stderr)
+    return 0
+
+
+def _recommend_paper(args: argparse.Namespace, law: Any) -> int:
+    from xmodlm.law.paper_recommend import recommend_paper
+
+    if args.loss not in (None, "causal"):
+        from xmodlm.errors import UserError
+
+        raise UserError("the paper's law predicts the causal-routing loss only (--loss causal)")
+    result = recommend_paper(
+        args.compute, args.context, args.active_params, law=law,
+        max_total_params=args.max_total_params, extrapolate=args.extrapolate,
+        dense_prefixes=args.dense_prefix or (4,), active_layers=args.active_layers,
+        top=args.top,
+    )
+    if args.json:
+        print_json(result)
+        return 0
+    o = result["optimum"]
+    print(result["answer"])
+    print(f"law: {result['law']['name']} ({result['law']['form']})")
+    khat = "none (no interior minimum)" if o["k_hat"] is None else f"{o['k_hat']:.1f}"
+    if o["k_hat_outside_range"]:
+        khat += " (outside the fitted K range)"
+    at1 = o["grid_best_at_a1"]
+    best_at1 = (f"; best grid K at A = 1: {at1['sparsity']:g} (Delta {at1['delta']:+.3f})"
+                if at1 else "")
+    print(f"K_hat (Eq. 14 minimised over K at A = 1): {khat}{best_at1}")
+    print(f"{'K':>4} {'A':>4} {'N0':>3} {'blocks':>6} {'N total':>9} {'phi/phiD':>8}"
+          f" {'Delta':>7}  outside")
+    for e in result["candidates"][: args.top or 10]:
+        print(f"{e['sparsity']:>4g} {e['anchor_stride']:>4g} {e['dense_prefix']:>3}"
+              f" {e['blocks']:>6} {e['params_total'] / 1e9:>8.3g}B {e['flops_ratio']:>8.2f}"
+              f" {e['delta']:>+7.3f}  {'; '.join(e['outside'])}")
+    for w in result["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
     return 0

@@ -27,9 +27,9 @@ a bound of its box, an interval spanning more than a decade, or a fit that did
 not converge is a flag in the JSON and the plain output, and ``recommend``
 gives no sparse answer from a flagged law.
 
-About 630 lines, kept whole: past :func:`fit_law`, every function here is a step
-of it (run selection, the paired baseline, protocols, bootstrap blocks, form
-selection; the law plots reuse two to show what was fitted); the law's model is
+Past :func:`fit_law`, every function here is a step of it (protocols, bootstrap
+blocks, form selection); which runs are fitted (one learning rate, one variant,
+the paired baseline) is :mod:`~xmodlm.law.select`, the law's model
 :mod:`~xmodlm.law.lawfit` and prediction :mod:`~xmodlm.law.predict`.
 """
 
@@ -72,6 +72,11 @@ from xmodlm.law.predict import predict as predict
 from xmodlm.law.predict import predict_samples as predict_samples
 from xmodlm.law.predict import predicts_losses as predicts_losses
 from xmodlm.law.robust import HUBER_DELTA, resample_weights
+
+# run selection has its own module (select.py); the plots import these two from here
+from xmodlm.law.select import fitted_runs as fitted_runs
+from xmodlm.law.select import one_lr, one_variant
+from xmodlm.law.select import paired_baseline as paired_baseline
 from xmodlm.law.table import DEFAULT_MIN_STEPS, UNRECORDED_CONTEXT, validate
 from xmodlm.pairing import NO_PARTNER, dense_partners
 from xmodlm.progress import Progress
@@ -135,8 +140,8 @@ def fit_law(
     if baseline not in BASELINES:
         raise UserError(f"baseline={baseline!r}: must be one of {', '.join(BASELINES)}")
     runs = validate(df, loss=loss, min_steps=min_steps)
-    frame, lr_used, excluded_lr = _one_lr(runs.frame, lr)
-    frame, variant, excluded = _one_variant(frame, family)
+    frame, lr_used, excluded_lr = one_lr(runs.frame, lr)
+    frame, variant, excluded = one_variant(frame, family)
     frame = frame.reset_index(drop=True)
     sparse = frame["is_sparse"].to_numpy()
     context = frame["context"].to_numpy()
@@ -266,102 +271,6 @@ def fit_law(
         identification=identification(dense_fits, dense_laws, deltas, selected,
                                       n_configs=int(frame.loc[sparse, "config"].nunique())),
     )
-
-
-def fitted_runs(fit: LawFit, df: pd.DataFrame) -> pd.DataFrame:
-    """The rows of the table ``df`` that ``fit`` was fitted on (its loss, minimum
-    length, learning rate and sparse variant), validated, in table order."""
-    frame = validate(df, loss=fit.loss, min_steps=int(fit.runs.get("min_steps", 0))).frame
-    frame, _, _ = _one_lr(frame, fit.runs.get("lr"))
-    variant = fit.runs.get("variant")
-    if variant:
-        frame = frame[~frame["is_sparse"] | (frame["variant"] == variant)]
-    return frame.reset_index(drop=True)
-
-
-def paired_baseline(frame: pd.DataFrame) -> np.ndarray:
-    """ln L of each sparse run's FLOP-matched dense partner (NaN on dense rows).
-
-    The paired baseline suits a study that gives every routed run a dense run of
-    the same seed, context, width and budget but trains dense at one width per
-    context: its dense law cannot be identified in N, so a delta measured
-    against it would carry that law's whole uncertainty, while the paired
-    difference cancels the seed's data order and needs no dense law at all.
-    What it measures differs slightly: routed minus the dense reference at the
-    same compute, the reference's size included (the dense-law baseline takes
-    the dense law at the routed run's own N_ae and D). Every sparse run must have
-    a partner; the first that has none is named.
-    """
-    missing = [c for c in ("width", "seed") if c not in frame]
-    if missing:
-        raise UserError(
-            f"baseline paired needs column(s) {', '.join(missing)} to find each run's dense"
-            " partner; use baseline law"
-        )
-    sparse = frame["is_sparse"].to_numpy()
-    partners = dense_partners(frame, ~sparse)
-    lonely = np.flatnonzero(sparse & (partners == NO_PARTNER))
-    if len(lonely):
-        row = frame.iloc[lonely[0]]
-        raise UserError(
-            f"baseline paired: {len(lonely)} sparse run(s) have no FLOP-matched dense run of the"
-            f" same context, width, seed and budget (first: context {int(row['context'])},"
-            f" width {row['width']:g}, seed {row['seed']:g}, compute {row['compute']:.3g});"
-            " train their dense partners or use baseline law"
-        )
-    ln_l = np.log(frame["val_loss"].to_numpy(float))
-    return np.where(sparse, ln_l[np.maximum(partners, 0)], np.nan)
-
-
-def _one_lr(frame: pd.DataFrame, lr: float | None) -> tuple[pd.DataFrame, float | None, int]:
-    """The runs at one peak learning rate (``lr``, else the most common), the rate,
-    and how many runs at other rates were left out; tables without ``lr`` pass."""
-    if "lr" not in frame:
-        if lr is not None:
-            raise UserError(f"lr={lr:g}: the table has no lr column to select runs by")
-        return frame, None, 0
-    rates = pd.to_numeric(frame["lr"], errors="coerce")
-    counts = rates.value_counts()
-    if counts.empty:
-        if lr is not None:
-            raise UserError(f"lr={lr:g}: the table records no learning rate")
-        return frame, None, 0
-    if lr is None:
-        top = counts[counts == counts.max()]
-        if len(top) > 1:
-            raise UserError(
-                f"runs at {len(counts)} peak learning rates, {len(top)} of them equally common"
-                f" ({', '.join(f'{r:g}' for r in sorted(top.index))}); a law pools one recipe:"
-                " pass the one to fit (--lr)"
-            )
-        lr = float(top.index[0])
-    elif not np.isclose(counts.index.to_numpy(float), lr, rtol=1e-9, atol=0).any():
-        raise UserError(
-            f"lr={lr:g}: no runs at that peak learning rate; the table has"
-            f" {', '.join(f'{r:g}' for r in sorted(counts.index))}"
-        )
-    keep = np.isclose(rates.to_numpy(float), lr, rtol=1e-9, atol=0) | rates.isna().to_numpy()
-    return frame[keep], float(lr), int((~keep).sum())
-
-
-def _one_variant(frame: pd.DataFrame, family: str) -> tuple[pd.DataFrame, str | None, dict]:
-    """Dense runs plus the sparse runs of one variant; the others counted by variant."""
-    sparse = frame["is_sparse"]
-    variants = frame.loc[sparse, "variant"].value_counts()
-    if variants.empty:
-        return frame, None, {}
-    if family in variants.index:
-        chosen = family
-    else:
-        own = [v for v in variants.index if v.split("[")[0] == family]
-        if not own:
-            raise UserError(
-                f"family {family!r} has no sparse runs in the table; it has:"
-                f" {', '.join(sorted(variants.index))}"
-            )
-        chosen = family if family in own else max(own, key=lambda v: (variants[v], v))
-    excluded = {str(v): int(n) for v, n in variants.items() if v != chosen}
-    return frame[~sparse | (frame["variant"] == chosen)], str(chosen), excluded
 
 
 def _other_protocols(

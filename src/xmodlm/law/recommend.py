@@ -262,6 +262,8 @@ def recommend(
         "candidates": candidates,
         "excluded_by_max_total_params": excluded,
         "law": {
+            "kind": "ln-ratio",
+            "name": "shipped (results/micro-law)" if law is None else "fitted",
             "form": fit.selected,
             "loss": fit.loss,
             "identified": identified,
