@@ -317,5 +317,6 @@ def flops_over_dense(cfg: ModelConfig) -> float | None:
     dense = same_active_dense(cfg)
     if dense is None:
         return None
-    head = 2.0 * cfg.d_model * cfg.vocab_size
-    return (count(cfg).flops_forward - head) / (count(dense).flops_forward - head)
+    mine, theirs = count(cfg), count(dense)
+    return ((mine.flops_forward - mine.flops_lm_head)
+            / (theirs.flops_forward - theirs.flops_lm_head))

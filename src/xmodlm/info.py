@@ -88,7 +88,11 @@ def format_info(info: dict[str, Any]) -> str:
             f"  FLOPs/token LM head {f['lm_head']:>14,.0f}   fwd without it"
             f" {f['forward'] - f['lm_head']:,.0f} (the paper's Table 6 count)",
             f"  active depth {info['active_depth']:.3g} of {info['n_layers']}"
-            f"  (expansion ratio rho = {info['expansion_ratio']:.3g})",
+            f"  (expansion ratio rho = {info['expansion_ratio']:.3g});  K {info['sparsity']:g},"
+            f" A {info['anchor_stride']:g}, dense prefix {info['dense_prefix']}",
+            *([f"  phi / phi_D         {info['flops_over_dense']:>14.3f}   (forward without the"
+               " LM head, over dense of the same active depth)"]
+              if info["flops_over_dense"] is not None else []),
             *(
                 [f"  initial gate gamma  {info['gate_gamma_init'][0]:.4g} (every sparse layer)"]
                 if info["gate_gamma_init"]
