@@ -228,6 +228,13 @@ VARIANTS = {
     "moe": {"layout": "EsEs", "mlp": "moe", "n_experts": 4, "moe_top_k": 2},
     "dense": {"layout": "DDDD", "capacity": 1.0, "stride": 1},
     "gqa-qk-norm": {"n_kv_heads": 2, "head_dim": 12, "qk_norm": True},
+    # the paper's construction: stages of four sparse blocks, a strong token-choice bias
+    "token-bias": {"layout": "", "stride": 1, "capacity": 1.0, "active_layers": 3,
+                   "dense_prefix": 1, "sparsity": 4, "anchor_stride": 1, "token_bias_tau": 2.0},
+    "token-bias-predictor": {"layout": "", "stride": 1, "capacity": 1.0, "active_layers": 3,
+                             "dense_prefix": 1, "sparsity": 4, "anchor_stride": 1,
+                             "token_bias_tau": 2.0, "causal_router": "predictor"},
+    "mod-ffn-gate": {"gating": "sigmoid", "gate_scope": "ffn", "balance": "none"},
 }
 
 

@@ -80,6 +80,9 @@ class XModConfig(PretrainedConfig):
         max_position_embeddings: int = 256,
         layout: str = "DDDDDDDD",
         gating: str = "variance_scaled",
+        gate_scope: str = "block",
+        token_bias: float = 0.0,
+        token_bias_step: float = 1.0,
         decision: str = "bce",
         decision_hidden: int = 0,
         threshold_rule: str = "calibrated",
@@ -105,6 +108,12 @@ class XModConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.layout = layout
         self.gating = gating
+        # block: x + g (a + f), the whole routed branch; ffn: x + a + g f (MoD's gate)
+        self.gate_scope = gate_scope
+        # the token-choice bias: router logits less tau b, b a token's selections so far
+        # in its stage (each adds token_bias_step), reset at every dense block; 0: none
+        self.token_bias = token_bias
+        self.token_bias_step = token_bias_step
         self.decision = decision
         self.decision_hidden = decision_hidden or max(1, hidden_size // 4)
         self.threshold_rule = threshold_rule
@@ -242,7 +251,8 @@ class _MoE(nn.Module):
 
 
 class _Block(nn.Module):
-    """Pre-norm attention then MLP; returns the branch f = block(x) - x."""
+    """Pre-norm attention then MLP; returns the two parts of the branch, attention's
+    a and the MLP's f (block(x) = x + a + f), and the new keys and values."""
 
     def __init__(self, config: XModConfig, moe: bool) -> None:
         super().__init__()
@@ -255,8 +265,8 @@ class _Block(nn.Module):
                     else _SwiGLU(d, config.intermediate_size))
 
     def forward(self, x, cos, sin, past, mask, causal):  # noqa: ANN001, ANN201
-        h, k, v = self.attn(self.norm1(x), cos, sin, past, mask, causal)
-        return h + self.mlp(self.norm2(x + h)), k, v
+        a, k, v = self.attn(self.norm1(x), cos, sin, past, mask, causal)
+        return a, self.mlp(self.norm2(x + a)), k, v
 
 
 class _DepthRouter(nn.Module):
@@ -274,10 +284,17 @@ class _DepthRouter(nn.Module):
         self.register_buffer("threshold", torch.zeros(1))
         self.register_buffer("calibrated", torch.zeros(1, dtype=torch.bool))
 
-    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(router logits r, causal decision), both (B, T), r in fp32."""
+    def forward(
+        self, x_BTD: torch.Tensor, shift_BT: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(router logits r less the token-choice bias ``shift``, causal decision),
+        both (B, T), r in fp32. The predictor's decision logit is shifted too."""
         r = torch.matmul(x_BTD.float(), self.weight.float().reshape(-1))
+        if shift_BT is not None:
+            r = r - shift_BT
         d = r if self.decision == "bce" else self.head(x_BTD.float()).squeeze(-1)
+        if shift_BT is not None and self.decision != "bce":
+            d = d - shift_BT
         threshold = self.threshold.float() if self.rule == "calibrated" else 0.0
         return r, d > threshold
 
@@ -290,6 +307,7 @@ class _Layer(nn.Module):
         self.block = _Block(config, moe=letter == "E")
         self.sparse = letter == "s"
         self.gating = config.gating
+        self.ffn_only = config.gate_scope == "ffn"
         if self.sparse:
             if config.gating not in GATINGS:
                 raise ValueError(f"gating {config.gating!r}: one of {GATINGS}")
@@ -304,24 +322,26 @@ class _Layer(nn.Module):
 
     def forward(
         self, x_BTD: torch.Tensor, valid_BT: torch.Tensor, cos: torch.Tensor,
-        sin: torch.Tensor, cache: _LayerCache | None,
-    ) -> torch.Tensor:
+        sin: torch.Tensor, cache: _LayerCache | None, shift_BT: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream after this layer, and which tokens it processed (B, T)."""
         if not self.sparse:
             sel_BT = valid_BT
         else:
-            r_BT, decide_BT = self.router(x_BTD)
+            r_BT, decide_BT = self.router(x_BTD, shift_BT)
             sel_BT = decide_BT & valid_BT
             if not bool(sel_BT.any()):  # nothing routed: the stream passes unchanged
-                return x_BTD
+                return x_BTD, sel_BT
         past = None if cache is None else cache.kv()
         mask, causal = _mask(sel_BT, cache, self.sparse)
-        f, k, v = self.block(x_BTD, cos, sin, past, mask, causal)
+        a, f, k, v = self.block(x_BTD, cos, sin, past, mask, causal)
         if cache is not None:
             cache.append(k, v, sel_BT)
         if not self.sparse:
-            return x_BTD + f
-        g_BT = self.gate(r_BT) * sel_BT
-        return x_BTD + (g_BT.unsqueeze(-1) * f).to(x_BTD.dtype)
+            return x_BTD + (a + f), sel_BT
+        g = (self.gate(r_BT) * sel_BT).unsqueeze(-1)
+        update = a * sel_BT.unsqueeze(-1) + g * f if self.ffn_only else g * (a + f)
+        return x_BTD + update.to(x_BTD.dtype), sel_BT
 
 
 def _mask(
@@ -514,8 +534,13 @@ class XModForCausalLM(PreTrainedModel, GenerationMixin):
             )
         x = self.embed(input_ids)
         cos, sin = _rotary(pos_BT, self.config.head_dim, self.config.rope_theta, x.dtype)
+        tau, step = self.config.token_bias, self.config.token_bias_step
+        b_BT = torch.zeros(B, T, device=device)  # selections of each token in its stage
         for i, layer in enumerate(self.blocks):
-            x = layer(x, valid_BT, cos, sin, None if cache is None else cache.layers[i])
+            shift = tau * b_BT if tau > 0 and layer.sparse else None
+            x, sel_BT = layer(x, valid_BT, cos, sin, None if cache is None else cache.layers[i],
+                              shift)
+            b_BT = b_BT + step * sel_BT if layer.sparse else torch.zeros_like(b_BT)
         logits = self.head(self.norm(x)).float()
         limit = self.config.tokenizer_vocab_size
         if limit is not None and limit < logits.shape[-1]:
