@@ -74,3 +74,20 @@ def test_console_entry_point_no_traceback() -> None:
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_a_config_naming_only_the_cv_weight_keeps_its_meaning(tmp_path) -> None:
+    """A model section that names ``balance_coef`` but not ``balance`` (every run
+    config written before ``balance`` existed) trains the CV loss at that weight, or
+    nothing at 0, never the token-choice bias it did not know of."""
+    from xmodlm.config import load_config
+
+    for coef, balance in ((0.01, "cv"), (0.0, "none")):
+        path = tmp_path / f"old{coef}.yaml"
+        path.write_text(f"model:\n  stride: 4\n  capacity: 0.25\n  balance_coef: {coef}\n")
+        m = load_config(path).model
+        assert (m.balance, m.cv_coef, m.token_bias) == (balance, coef, 0.0)
+    path.write_text("model:\n  stride: 4\n  capacity: 0.25\n  balance_coef: 0.01\n"
+                    "  balance: token_bias\n")
+    assert load_config(path).model.balance == "token_bias"
+    assert load_config("cpu-d64").model.token_bias > 0  # a sparse model's default

@@ -37,6 +37,9 @@ FAMILIES: dict[str, list[str]] = {
     "dense": ["model.stride=1", "model.capacity=1.0"],
     # S = 4: three sparse blocks share an anchor window, so depth-wise balancing acts
     "xmod": ["model.stride=4", "model.capacity=0.25"],
+    # the paper's stage of four sparse blocks under the token-choice bias
+    "xmod_token_bias": ["model.stride=5", "model.capacity=0.25", "model.n_layers=5",
+                        "model.balance=token_bias", "model.token_bias_tau=1.0"],
     "xmod_predictor": ["model.causal_router=predictor"],  # small_cfg: S = 2, c = 0.5
     "mod": ["model.gating=logit", "model.balance_coef=0.0", "model.capacity=0.25"],
     "moe": [

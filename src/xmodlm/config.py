@@ -406,7 +406,7 @@ class Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config") -> Config:
-        return build(cls, raw, where, on_off=_ON_OFF)
+        return build(cls, _balance_from_coef(raw), where, on_off=_ON_OFF)
 
     def merge(self, overrides: list[str] | tuple[str, ...]) -> Config:
         """Return a copy with ``key.path=value`` overrides applied (values parsed as YAML)."""
@@ -432,6 +432,22 @@ class Config:
                 else:
                     node = node[part]
         return Config.from_dict(raw, where="")
+
+
+def _balance_from_coef(raw: Any) -> Any:
+    """``raw`` with ``model.balance`` filled in where the model section names
+    ``balance_coef`` but not ``balance``: the squared-CV loss at that weight, or none
+    at 0. That is what such a section meant before ``balance`` existed (every run
+    config written then states ``balance_coef`` and trained so), and what a user who
+    sets only the CV weight asks for; the token-choice bias must be named."""
+    model = raw.get("model") if isinstance(raw, dict) else None
+    if not isinstance(model, dict) or "balance" in model or "balance_coef" not in model:
+        return raw
+    try:
+        coef = float(model["balance_coef"])
+    except (TypeError, ValueError):
+        return raw  # the typed build names the bad value
+    return {**raw, "model": {**model, "balance": "cv" if coef > 0 else "none"}}
 
 
 RESUME_FREE = frozenset({
