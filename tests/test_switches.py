@@ -61,7 +61,7 @@ def test_version_bare_command_and_help_defaults(capsys: pytest.CaptureFixture[st
     assert "(default: 64)" in out and "(default: 0.8)" in out
     assert main(["law", "fit", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "--form {auto,base," in out
+    assert "--form {auto,paper,base," in out
     assert main(["law", "fit", "x.csv", "--form", "nope"]) == 2
     assert "invalid choice" in capsys.readouterr().err
 

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from xmodlm import depth
+from xmodlm.config import ModelConfig
 from xmodlm.errors import UserError
 
 VOCAB = 50_257  # GPT-2
@@ -159,3 +161,28 @@ def build(backbone: Backbone, sparsity: float, anchor_stride: float,
     :class:`xmodlm.depth.DepthError` where (K, A, N0) cannot be built there."""
     layout = depth.paper_layout(sparsity, anchor_stride, dense_prefix, backbone.active_layers)
     return Model(backbone, float(sparsity), float(anchor_stride), dense_prefix, layout)
+
+
+def model_config(m: Model, context: int) -> ModelConfig:
+    """``m`` as the project's model config (the paper's backbone shape: GQA, QK-norm,
+    untied embeddings), for the run-record columns :func:`xmodlm.record.config_row`
+    fills; its counts under the paper's conventions are :func:`paper_counts`."""
+    b = m.backbone
+    return ModelConfig(
+        vocab_size=b.vocab_size, d_model=b.d_model, n_heads=b.n_heads, n_kv_heads=b.n_kv_heads,
+        head_dim=b.head_dim, qk_norm=True, d_ff=b.ffn_dim, context=context,
+        active_layers=float(b.active_layers), dense_prefix=m.dense_prefix,
+        sparsity=m.sparsity, anchor_stride=m.anchor_stride if m.sparse_blocks else 1.0,
+        tie_embeddings=False,
+    )
+
+
+def paper_counts(m: Model, context: int) -> SimpleNamespace:
+    """The counts a run record carries, as the paper counts them: N with embeddings,
+    N_act without them (the record's ``params_active``), training FLOPs 3 x Table 6's
+    forward."""
+    return SimpleNamespace(
+        params_total=m.params_total, params_non_embedding=m.params_non_embedding,
+        params_active=m.params_active - m.backbone.embedding_params,
+        flops_train=3 * m.flops_forward(context))
+

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 
-from xmodlm import depth
+from xmodlm import record
 from xmodlm.law import backbone as bb
 from xmodlm.law import paper
 
@@ -85,18 +85,11 @@ def results_table(params: Mapping[str, float] | None = None, noise: float = 0.00
                 (bb.build(b, r.sparsity, r.anchor_stride), r.val_loss,
                  f"xmod-{label:.3g}-{context}-A{r.anchor_stride:g}K{r.sparsity:g}")
                 for r in group.itertuples()]:
-            f_train = 3 * m.flops_forward(int(context))
-            sparse = m.sparse_blocks > 0
-            stride, capacity = depth.to_stride_capacity(m.sparsity, m.anchor_stride)
+            counts = bb.paper_counts(m, int(context))
             rows.append({
-                "run_id": rid, "family": "xmod" if sparse else "dense", "status": "ok",
-                "width": b.d_model, "n_layers": m.blocks, "layout": m.layout,
-                "stride": stride, "capacity": capacity, "sparsity": m.sparsity,
-                "anchor_stride": m.anchor_stride, "dense_prefix": m.dense_prefix,
-                "context": int(context), "params_total": m.params_total,
-                "params_non_embedding": m.params_non_embedding,
-                "params_active": m.params_active - b.embedding_params,
-                "flops_per_token": f_train, "tokens": COMPUTE / f_train, "compute": COMPUTE,
-                "seed": 0, "val_loss": loss, "val_loss_causal": loss, "steps": 40_000,
+                **record.config_row(bb.model_config(m, int(context)), counts),
+                "run_id": rid, "status": "ok", "tokens": COMPUTE / counts.flops_train,
+                "compute": COMPUTE, "seed": 0, "val_loss": loss, "val_loss_causal": loss,
+                "steps": 40_000,
             })
     return pd.DataFrame(rows)
