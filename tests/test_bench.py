@@ -338,7 +338,7 @@ def test_quick_bench_single_size_sections_and_targets(quick_result: dict) -> Non
     assert pair["layouts"]["dense"].count("D") == len(pair["layouts"]["dense"])
     assert pair["layouts"]["xmod_a1k8"].count("D") < len(pair["layouts"]["xmod_a1k8"])
     assert set(pair["layouts"]["moe_8x64"]) == {"E"}
-    assert pair["moe_vs_dense"]["flop_ratio"] == pytest.approx(1.0, abs=0.02)
+    assert 1.0 < pair["moe_vs_dense"]["flop_ratio"] < 1.1  # dense FLOPs plus the routers
     assert pair["moe_vs_dense"]["params_ratio"] > 3
     assert _positive(pair["xmod_vs_moe"]["time_ratio"])
     assert 0 < pair["xmod_vs_dense"]["flop_ratio"] < 1
