@@ -429,6 +429,7 @@ class Config:
             if "=" not in item:
                 raise UserError(f"--set {item!r}: expected key.path=value, e.g. model.stride=4")
             key, value = item.split("=", 1)
+            key = key if key.isprintable() else repr(key)  # its messages stay one line
             parts = key.strip().split(".")
             node = raw
             for i, part in enumerate(parts):
