@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # these machines carry; a loose requirement would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test test-all lint bench clean
+.PHONY: install demo test test-all fuzz lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: install lint
 
 test-all: install
 	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+# the property-based bad-input suite at length: thousands of generated inputs per
+# entry point instead of the fixed few that `make test` runs
+fuzz: install
+	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q tests/test_fuzz.py
 
 demo: install
 	$(BIN)/python -m xmodlm demo

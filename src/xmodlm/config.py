@@ -25,7 +25,7 @@ import yaml
 from xmodlm import depth, record
 from xmodlm.depth_routers import kinds as depth_router_kinds
 from xmodlm.errors import UserError
-from xmodlm.typed import build
+from xmodlm.typed import build, load_yaml
 
 GATINGS = ("logit", "sigmoid", "variance_scaled")
 # block: g (a + f), the whole routed residual (X-MoD, Eq. 7); ffn: a + g f (MoD, Eq. 6)
@@ -38,6 +38,8 @@ MOE_ROUTERS = ("switch", "fine")  # xmodlm.model.moe.make_router
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("auto", "bf16", "fp32")
 COMPILE_MODES = ("auto", "on", "off")
+SEED_MAX = 2**32 - 1
+"""The largest seed every generator takes: numpy's stop at 2**32 - 1, torch's at 2**64 - 1."""
 
 
 @dataclass
@@ -162,6 +164,11 @@ class ModelConfig:
 
     def validate(self) -> None:
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "context")
+        if self.vocab_size < 2:
+            raise UserError(
+                f"model.vocab_size={self.vocab_size}: must be >= 2 (one token leaves nothing"
+                " to predict)"
+            )
         if not (0.0 < self.capacity <= 1.0):
             raise UserError(f"model.capacity={self.capacity}: must be in (0, 1]")
         if self.stride < 1:
@@ -321,8 +328,8 @@ class TrainConfig:
     def validate(self) -> None:
         _positive(self, "batch_size", "grad_accum", "keep_last", "eval_every", "log_every",
                   "ckpt_every", "max_bad_steps")
-        if self.seed < 0:
-            raise UserError(f"train.seed={self.seed}: must be an integer >= 0")
+        if not 0 <= self.seed <= SEED_MAX:
+            raise UserError(f"train.seed={self.seed}: must be an integer in 0..{SEED_MAX}")
         _choice(self, "schedule", SCHEDULES)
         _choice(self, "optimizer", OPTIMIZERS)
         _choice(self, "dtype", DTYPES)
@@ -393,9 +400,16 @@ class Config:
         """Check every value before any work: finite numbers only, bounds of the maths."""
         for section in (self.model, self.data, self.train):
             _finite(section)
+        if not self.name.strip():
+            raise UserError("name is empty: give the run a name (it labels records and reports)")
         self.model.validate()
         self.data.validate()
         self.train.validate()
+        if 0 < self.train.batch_tokens < self.model.context:
+            raise UserError(
+                f"train.batch_tokens={self.train.batch_tokens}: less than one sequence of"
+                f" model.context={self.model.context} tokens (0: batch_size sequences)"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -415,6 +429,7 @@ class Config:
             if "=" not in item:
                 raise UserError(f"--set {item!r}: expected key.path=value, e.g. model.stride=4")
             key, value = item.split("=", 1)
+            key = key if key.isprintable() else repr(key)  # its messages stay one line
             parts = key.strip().split(".")
             node = raw
             for i, part in enumerate(parts):
@@ -425,10 +440,7 @@ class Config:
                 if i == len(parts) - 1:
                     if isinstance(node[part], dict):
                         raise UserError(f"--set {key}: is a section, set one of its keys")
-                    try:
-                        node[part] = yaml.safe_load(value) if value != "" else ""
-                    except yaml.YAMLError:
-                        raise UserError(f"--set {key}: value {value!r} is not valid YAML") from None
+                    node[part] = load_yaml(value, f"--set {key}: value {value!r}") if value else ""
                 else:
                     node = node[part]
         return Config.from_dict(raw, where="")
@@ -570,12 +582,7 @@ def _read_yaml(name_or_path: str | Path) -> dict[str, Any]:
                 f" {', '.join(preset_names())}"
             )
         text = res.read_text()
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        line = getattr(getattr(err, "problem_mark", None), "line", None)
-        at = f" (line {line + 1})" if line is not None else ""
-        raise UserError(f"config {str(name_or_path)!r} is not valid YAML{at}") from None
+    raw = load_yaml(text, f"config {str(name_or_path)!r}")
     if raw is None:
         raise UserError(
             f"config {str(name_or_path)!r} is empty (no settings): give at least `base: PRESET`"

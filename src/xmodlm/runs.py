@@ -156,10 +156,16 @@ def load_run(
         raise UserError(f"run directory {str(run)!r} not found or has no config.yaml")
     cfg = load_config(run / "config.yaml")
     ckpts = checkpoint_dirs(run)
-    if step is not None:
-        ckpts = [p for p in ckpts if checkpoint_step(p) == step]
     if not ckpts:
         raise UserError(f"run directory {str(run)!r} has no complete checkpoint yet")
+    if step is not None:
+        steps = [checkpoint_step(p) for p in ckpts]
+        if step not in steps:
+            raise UserError(
+                f"run directory {str(run)!r} has no checkpoint at step {step}; its steps:"
+                f" {', '.join(map(str, steps))}"
+            )
+        ckpts = [p for p in ckpts if checkpoint_step(p) == step]
     check_memory(cfg.model, torch.device(device), "load")
     errors = []
     for ckpt in reversed(ckpts):

@@ -14,7 +14,42 @@ import types
 import typing
 from typing import Any
 
+import yaml
+
 from xmodlm.errors import UserError
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML
+    keeps the last silently, so the first setting a user wrote would do nothing)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the base class says so
+                break
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """Parse user-written YAML; any fault (bad syntax, a duplicate key) is one line
+    naming ``what`` (the file) and the line."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a safe loader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" (line {mark.line + 1})" if mark is not None else ""
+        problem = getattr(err, "problem", None)
+        why = f": {problem}" if problem and "duplicate" in problem else ""
+        raise UserError(f"{what} is not valid YAML{at}{why}") from None
 
 
 def build(cls: type, raw: Any, where: str,

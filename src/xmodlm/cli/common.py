@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from xmodlm.config import SEED_MAX
 from xmodlm.errors import UserError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -91,7 +92,7 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-seed_int = int_in(0, 2**32 - 1)  # what numpy and torch generators both take
+seed_int = int_in(0, SEED_MAX)
 count_int = int_in(1)
 index_int = int_in(0)
 
@@ -131,22 +132,33 @@ def _blocking_file(path: Path) -> Path | None:
     return None
 
 
-def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
-    """An output directory: absent (it is created) or a directory, never under a file."""
+def check_out_dir(path: str | Path, own: str | None, flag: str = "--out") -> Path:
+    """An output directory: absent (it is created) or a directory, never under a file,
+    and never one that holds another writer's corpus, run, sweep or export (``own``:
+    the kind this command writes, :func:`xmodlm.folders.check_writable`)."""
+    from xmodlm.folders import check_writable
+
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise UserError(f"{flag} {str(out)!r} is a file, not a directory")
     blocker = _blocking_file(out)
     if blocker is not None:
         raise UserError(f"{flag} {str(out)!r}: {str(blocker)!r} is a file, not a directory")
+    check_writable(out, own, flag)
     return out
 
 
-def check_out_file(path: str | Path, flag: str = "--out") -> Path:
-    """An output file: not a directory, and its folder not under a file."""
+def check_out_file(path: str | Path, suffixes: tuple[str, ...], flag: str = "--out") -> Path:
+    """An output file: not a directory, its folder not under a file, and its extension
+    one of ``suffixes``, the formats its writer produces."""
     out = Path(path)
     if out.is_dir():
         raise UserError(f"{flag} {str(out)!r} is a directory; give a file name")
+    if out.suffix.lower() not in suffixes:
+        raise UserError(
+            f"{flag} {str(out)!r}: this command writes {', '.join(suffixes)} files; give a name"
+            " ending in one of them"
+        )
     blocker = _blocking_file(out)
     if blocker is not None:
         raise UserError(f"{flag} {str(out)!r}: {str(blocker)!r} is a file, not a directory")

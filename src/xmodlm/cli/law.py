@@ -121,9 +121,9 @@ def cmd_law_fit(args: argparse.Namespace) -> int:
     from xmodlm.law.table import read_table
 
     if args.out:
-        check_out_file(args.out)
+        check_out_file(args.out, (".json",))
     if args.plots:
-        check_out_dir(args.plots, "--plots")
+        check_out_dir(args.plots, None, "--plots")
     if args.form == "paper":
         return _fit_paper(args)
     if args.curves or args.out_of_range:

@@ -81,7 +81,7 @@ def export_args(sub: argparse._SubParsersAction) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     from xmodlm.export import export_run
 
-    out = check_out_dir(args.out)
+    out = check_out_dir(args.out, "export")
     config = export_run(args.run_dir, out, step=args.step, dtype=args.dtype, force=args.force)
     if args.json:
         print_json({"out": str(out), **config})
@@ -215,7 +215,7 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
         raise UserError(f"--limit must be positive (a count, or a fraction below 1), got {args.limit}")
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     if args.out:
-        check_out_file(args.out)
+        check_out_file(args.out, (".json",))
     device = check_device(args.device)
     out = run_harness(
         args.run_dir,
@@ -272,9 +272,9 @@ def show_routing_args(sub: argparse._SubParsersAction) -> None:
 def cmd_show_routing(args: argparse.Namespace) -> int:
     from xmodlm.report.routing_plots import plot_training, show_routing
 
-    out = check_out_file(args.out)
+    out = check_out_file(args.out, (".png", ".html"))
     if args.training_plots:
-        check_out_dir(args.training_plots, "--training-plots")
+        check_out_dir(args.training_plots, None, "--training-plots")
     check_text(args.text, "--text")
     device = check_device(args.device)
     png, html = (out.with_suffix(".png"), out) if out.suffix == ".html" else (out, None)
@@ -307,9 +307,7 @@ def plot_args(sub: argparse._SubParsersAction) -> None:
 def cmd_plot(args: argparse.Namespace) -> int:
     from xmodlm.report.curves import plot_runs
 
-    out = check_out_file(args.out)
-    if out.suffix.lower() not in (".png", ".pdf", ".svg"):
-        raise UserError(f"--out {str(out)!r}: give a .png, .pdf or .svg file name")
+    out = check_out_file(args.out, (".png", ".pdf", ".svg"))
     if args.label and len(args.label) != len(args.runs):
         raise UserError(f"{len(args.label)} --label for {len(args.runs)} runs: give one per run")
     path = plot_runs(args.runs, out, labels=args.label or None, title=args.title, x=args.x,

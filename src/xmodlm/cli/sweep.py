@@ -66,11 +66,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         except UnicodeDecodeError:
             raise UserError(f"sweep spec {args.spec!r} is not UTF-8 text (a binary file?)") from None
     if not args.dry_run:
-        check_out_dir(args.out)
+        check_out_dir(args.out, "sweep")
     spec = load_spec(args.spec)
     runs = expand(spec, data_dir=args.data)
-    if runs:
-        check_run_set(args.run_set, runs[0].cfg)
+    check_run_set(args.run_set, runs[0].cfg)
     figures, broken = check_requirements(
         runs, spec["require"], train_tokens(runs), strict=not args.dry_run
     )
@@ -113,7 +112,7 @@ def cmd_results(args: argparse.Namespace) -> int:
     from xmodlm.sweep import write_results
 
     if args.out:
-        check_out_file(args.out)
+        check_out_file(args.out, (".csv",))
     path, n_rows, left_out = write_results(args.sweep_dir, args.out)
     for run_id, why in sorted(left_out.items()):
         print(f"left out {run_id}: {why}", file=sys.stderr)
@@ -145,7 +144,7 @@ def report_args(sub: argparse._SubParsersAction) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     from xmodlm.report.sweep_report import sweep_report
 
-    check_out_dir(args.out)
+    check_out_dir(args.out, None)
     results = _results_table(args.results)
     controls = [_results_table(c) for c in args.dense_control]
     report = sweep_report(results, args.out, law=args.law, dense_controls=controls)

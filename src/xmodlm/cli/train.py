@@ -98,7 +98,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
     from xmodlm.data.prepare import prepare
 
-    check_out_dir(args.out)
+    check_out_dir(args.out, "corpus")
     if args.vocab_size < 1:
         raise UserError(f"--vocab-size {args.vocab_size}: must be >= 1")
     hf_flags = [flag for flag, on in (("--hf-split", args.hf_split != "train"),
@@ -163,7 +163,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_device(args.device)  # cpu, cuda, cuda:N or auto; CUDA only where present
         overrides.append(f"train.device={args.device}")
     cfg = load_config(args.config, overrides, vocab_from_data=True)
-    check_out_dir(args.out)
+    check_out_dir(args.out, "run")
     summary = train(cfg, args.out, progress=not args.quiet, restart=args.restart,
                     force=args.force)
     if os.environ.get("RANK", "0").strip() not in ("", "0"):  # torchrun: rank 0 reports
@@ -200,7 +200,7 @@ def demo_args(sub: argparse._SubParsersAction) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from xmodlm.demo import format_rows, run_demo
 
-    check_out_dir(args.out)
+    check_out_dir(args.out, None)  # a folder of runs, itself none
     if args.compute <= 0:
         raise UserError(f"--compute {args.compute}: must be > 0 FLOPs")
     rows = run_demo(args.data, args.out, args.compute)

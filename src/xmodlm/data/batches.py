@@ -98,6 +98,12 @@ def val_batches(
     data.check_context(context)
     count = n_batches * batch_size
     span = len(data) - context
+    if count > span:  # more windows than starts: the same text scored over and over
+        raise UserError(
+            f"{n_batches} validation batches of {batch_size} windows: the split has only {span}"
+            f" window starts of context {context}, room for at most {max(span // batch_size, 0)}"
+            " batches; lower data.val_batches (or train.batch_size)"
+        )
     offsets = np.random.default_rng(seed).random(count)
     starts = np.minimum(((np.arange(count) + offsets) * span / count).astype(np.int64), span - 1)
     return [

@@ -368,6 +368,8 @@ def run_harness(
     names = [t for t in tasks if t]
     if not names:
         raise UserError("no tasks given: pass --tasks NAME[,NAME...]")
+    if include_path is not None and not Path(include_path).is_dir():  # lm-eval ignores it
+        raise UserError(f"--include-path {str(include_path)!r}: not a directory of task YAMLs")
     model = XModLM(run_dir=str(run_dir), device=device, batch_size=batch_size, step=step,
                    dtype=dtype, seed=seed)
     paths = [str(include_path)] if include_path else []

@@ -135,6 +135,7 @@ def validate(
     raw = frame.copy()  # original cells, for error messages about text that is not a number
     dropped = short = 0
     notes: list[str] = []
+    frame = _once_each(frame, notes)
     used_loss = loss
     if need_loss:
         frame, dropped = finished_runs(frame)
@@ -190,6 +191,27 @@ def validate(
                         "stride", "capacity") if c in frame]
     frame["config"] = frame.groupby(keys, sort=True, dropna=False).ngroup()
     return Runs(frame, dropped, excluded, short, used_loss, notes)
+
+
+def _once_each(frame: pd.DataFrame, notes: list[str]) -> pd.DataFrame:
+    """Each run once: a row repeated whole (two tables joined) is counted once, with a
+    note; two different rows under one ``run_id`` are refused, as either would weigh
+    the run twice in the fit."""
+    if "run_id" not in frame:
+        return frame
+    ids = frame["run_id"].astype(str)
+    repeated = frame.duplicated(keep="first")
+    if repeated.any():
+        notes.append(f"{int(repeated.sum())} repeated row(s) counted once")
+        frame, ids = frame[~repeated], ids[~repeated]
+    clash = ids.duplicated(keep=False) & frame["run_id"].notna()
+    if clash.any():
+        rows = list(frame.index[clash])
+        raise UserError(
+            f"rows {rows[0]} and {rows[1]}: run_id {ids[rows[0]]!r} appears twice with different"
+            " values; keep one row per run"
+        )
+    return frame
 
 
 def _choose_loss(frame: pd.DataFrame, loss: str, notes: list[str]) -> tuple[pd.DataFrame, str]:

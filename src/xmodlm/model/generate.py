@@ -288,7 +288,10 @@ def sample_next(
     """
     if temperature == 0:
         return logits_BV.argmax(-1)
-    logits = logits_BV.float() / temperature
+    # in float64 (a float32 temperature of 1e-300 is 0), the best logit at 0 first: a
+    # small temperature then sends the others to -inf, never all of them (softmax nan)
+    logits = logits_BV.double()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     V = logits.shape[-1]
     if top_k is not None and top_k < V:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]

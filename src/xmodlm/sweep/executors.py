@@ -94,17 +94,14 @@ def make_executor(name: str, workers: int | None = None, **options: Any) -> Any:
 
 def parse_executor_options(items: list[str]) -> dict[str, Any]:
     """``key=value`` strings (values read as YAML; ``params.k=v`` nests under params)."""
-    import yaml
+    from xmodlm.typed import load_yaml
 
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
             raise UserError(f"--executor-opt {item!r}: expected key=value, e.g. folder=logs")
         key, value = item.split("=", 1)
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise UserError(f"--executor-opt {item!r}: value is not valid YAML") from None
+        parsed = load_yaml(value, f"--executor-opt {item!r}: value")
         if key.startswith("params."):
             out.setdefault("params", {})[key[len("params."):]] = parsed
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from xmodlm.config import SEED_MAX
 from xmodlm.errors import UserError
 
 SPEC_KEYS = {
@@ -26,6 +27,7 @@ TRAIN_KEYS = {"lr", "warmup_steps"}  # per-family training settings (e.g. tuned 
 SCALE_KEYS = {"lr_scale"}  # per-family multipliers of a training setting (crossed)
 GRID_KEYS = {"seeds", "compute", "dense"}  # per-family narrowing of the spec's grid (not crossed)
 LR_RULE_KEYS = ("lr", "width", "power")
+DENSE_KEYS = ("width", "n_layers", "n_heads")  # a dense reference entry
 RULES = {  # design rules a spec may require of every run: name -> (kind, what it bounds)
     "min_steps": ("min", "optimiser steps after warmup"),
     "max_warmup_frac": ("max", "warmup steps / steps"),
@@ -64,8 +66,19 @@ def as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
 
 
+def _some(value: Any, where: str) -> list[Any]:
+    """A key that takes one value or a non-empty list of them: an empty list would
+    silently cross to no runs at all."""
+    if value == []:
+        raise UserError(f"sweep spec: {where}=[]: give at least one value (or leave the key out)")
+    return as_list(value)
+
+
 def _seeds(value: Any, where: str) -> list[int]:
-    return [_integer(v, where, 0) for v in as_list(value)]
+    seeds = [_integer(v, where, 0) for v in _some(value, where)]
+    if any(s > SEED_MAX for s in seeds):
+        raise UserError(f"sweep spec: {where}={value!r}: seeds must be in 0..{SEED_MAX}")
+    return seeds
 
 
 def _budgets(
@@ -168,7 +181,7 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     YAML left as strings ("3e12") read as numbers. Every fault is one UserError line."""
     out = dict(spec)
     if spec.get("context") is not None:
-        out["context"] = [_integer(t, "context", 1) for t in as_list(spec["context"])]
+        out["context"] = [_integer(t, "context", 1) for t in _some(spec["context"], "context")]
     out["compute"] = _budgets(spec["compute"], "compute", out.get("context"))
     if "seeds" in spec:
         out["seeds"] = _seeds(spec["seeds"], "seeds")
@@ -180,17 +193,24 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
             raise UserError(f"sweep spec: {key}={spec[key]!r}: must be a string")
     if any(not isinstance(item, str) for item in as_list(spec.get("set", []))):
         raise UserError("sweep spec: set must be a list of key.path=value strings")
+    if spec.get("batch_tokens") is not None:
+        out["batch_tokens"] = _integer(spec["batch_tokens"], "batch_tokens", 1)
     dense = []
-    for ref in as_list(spec["dense"]):
+    for ref in _some(spec["dense"], "dense"):
         if not isinstance(ref, dict) or not {"width", "n_layers"} <= set(ref):
             raise UserError("sweep spec: each dense entry needs width and n_layers")
+        if unknown := set(ref) - set(DENSE_KEYS):
+            raise UserError(
+                f"sweep spec: dense: unknown key {sorted(unknown)[0]!r};"
+                f" allowed: {', '.join(DENSE_KEYS)}"
+            )
         dense.append({k: _integer(v, f"dense.{k}", 1) if k in ("width", "n_layers", "n_heads")
                       else v for k, v in ref.items()})
     out["dense"] = dense
     if spec.get("lr_rule") is not None:
         out["lr_rule"] = _lr_rule(spec["lr_rule"])
     families = []
-    for entry in as_list(spec["families"]):
+    for entry in _some(spec["families"], "families"):
         if not isinstance(entry, dict):
             raise UserError(f"sweep spec: families entry {entry!r}: must be a mapping with a family")
         name = entry.get("family")
@@ -206,7 +226,7 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
             if key == "dense":
                 fam[key] = _dense_subset(value, dense, where)
                 continue
-            values = as_list(value)
+            values = _some(value, where)
             if key in _INT_KEYS:
                 values = [_integer(v, where, _INT_KEYS[key]) for v in values]
             elif key == "capacity":

@@ -21,6 +21,7 @@ import pandas as pd
 from xmodlm import record
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_text
+from xmodlm.folders import KINDS, SWEEP_RUNS, folder_kind
 
 COLUMNS = list(record.RUN_COLUMNS)
 EXTRA = list(record.EXTRA_COLUMNS) + list(record.EVAL_COLUMNS)
@@ -114,11 +115,16 @@ def _row(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
 def collect_results(sweep_dir: str | Path) -> tuple[pd.DataFrame, dict[str, str]]:
     """(table of finished, diverged and failed runs, {run_id: why it was left out})."""
     root = Path(sweep_dir)
-    runs_root = root / "runs" if (root / "runs").is_dir() else root
-    if not runs_root.is_dir():
+    if not root.is_dir():
         raise UserError(f"sweep directory {str(root)!r} not found")
+    kind = folder_kind(root)
+    if kind != "sweep":
+        what = f"holds {KINDS[kind]}" if kind else "holds no runs/ folder"
+        raise UserError(f"{str(root)!r} is not a sweep folder: it {what}")
+    runs_root = root / SWEEP_RUNS
     rows, left_out = [], {}
-    for run_dir in sorted(p for p in runs_root.iterdir() if p.is_dir()):
+    found = runs_root.iterdir() if runs_root.is_dir() else ()  # sweep.json, no run yet
+    for run_dir in sorted(p for p in found if p.is_dir()):
         row, why = _row(run_dir)
         if row is None:
             left_out[run_dir.name] = str(why)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_json
+from xmodlm.folders import SWEEP_FILE
 from xmodlm.progress import Progress
 from xmodlm.record import EVAL_FILE
 from xmodlm.sweep.executors import check_options, make_executor
@@ -38,7 +39,6 @@ from xmodlm.sweep.spec import RunSpec
 if TYPE_CHECKING:
     from xmodlm.config import Config
 
-SWEEP_FILE = "sweep.json"  # OUT/sweep.json: the name of the spec whose runs OUT holds
 
 
 def check_data(runs: list[RunSpec]) -> None:

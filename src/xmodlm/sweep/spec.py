@@ -84,6 +84,7 @@ from xmodlm.sweep.grammar import (
     check_spec,
     dense_size,
 )
+from xmodlm.typed import load_yaml
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "dense": {},
@@ -146,10 +147,7 @@ def load_spec(path: str | Path) -> dict[str, Any]:
                 f"sweep spec {str(p)!r} not found; shipped specs: {', '.join(spec_names())}"
             )
         p = Path(str(shipped))
-    try:
-        spec = yaml.safe_load(p.read_text())
-    except yaml.YAMLError:
-        raise UserError(f"sweep spec {str(p)!r} is not valid YAML") from None
+    spec = load_yaml(p.read_text(), f"sweep spec {str(p)!r}")
     if not isinstance(spec, dict):
         raise UserError(f"sweep spec {str(p)!r}: top level must be a mapping")
     unknown = set(spec) - SPEC_KEYS
@@ -301,6 +299,8 @@ def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
             if rid not in seen:
                 seen.add(rid)
                 runs.append(RunSpec(rid, cfg, compute))
+    if not runs:  # e.g. families whose per-context budgets name none of the contexts
+        raise UserError("sweep spec expands to no runs: check its families' compute and seeds")
     return runs
 
 

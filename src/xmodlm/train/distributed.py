@@ -41,6 +41,13 @@ def setup_distributed(device_name: str) -> Dist:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1)."""
     world = _env_rank("WORLD_SIZE", "1", low=1)
     if world <= 1:
+        for name in ("RANK", "LOCAL_RANK"):  # half a launcher's environment
+            if _env_rank(name, "0") != 0:
+                raise UserError(
+                    f"{name}={os.environ[name].strip()} but WORLD_SIZE is"
+                    f" {os.environ.get('WORLD_SIZE', 'not set')}: launch with torchrun, which"
+                    f" sets both (or unset {name} to train in one process)"
+                )
         return Dist()
     if "RANK" not in os.environ:
         raise UserError(
