@@ -67,7 +67,7 @@ def test_more_validation_batches_than_the_split_holds(world: dict[str, Path]) ->
 
 @pytest.mark.parametrize(("setting", "needle"), [
     ("train.batch_tokens=1", "less than one sequence"),
-    ("model.vocab_size=1", "must be >= 2"),
+    ("model.vocab_size=1", "must be an integer >= 2"),
     ("name=", "name is empty"),
     ("name=null", "name is empty"),
 ])

@@ -164,11 +164,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "context")
-        if self.vocab_size < 2:
-            raise UserError(
-                f"model.vocab_size={self.vocab_size}: must be >= 2 (one token leaves nothing"
-                " to predict)"
-            )
+        if self.vocab_size < 2:  # one token leaves nothing to predict
+            raise UserError(f"model.vocab_size={self.vocab_size}: must be an integer >= 2")
         if not (0.0 < self.capacity <= 1.0):
             raise UserError(f"model.capacity={self.capacity}: must be in (0, 1]")
         if self.stride < 1:
