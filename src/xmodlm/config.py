@@ -502,6 +502,14 @@ def load_config(
     return cfg.validate()
 
 
+def own_settings(name_or_path: str | Path) -> dict[str, Any]:
+    """The settings a preset or YAML file states itself, without those of its base:
+    what makes ``paper-556m-mod`` the MoD, whatever backbone it sits on."""
+    raw = _read_yaml(name_or_path)
+    raw.pop("base", None)
+    return raw
+
+
 def _sets_vocab(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> bool:
     """Whether the merged YAML chain ``raw`` or an override names ``model.vocab_size``."""
     model = raw.get("model")
