@@ -766,7 +766,7 @@ def test_a_signal_stops_a_sweep_in_one_go(
     out = tmp_path / "sweep"
     proc = subprocess.Popen(
         [sys.executable, "-m", "xmodlm", "sweep", str(tmp_path / "spec.yaml"), "--out", str(out),
-         "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         "--quiet", "--allow-dirty"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )
     try:

@@ -80,7 +80,7 @@ def test_law_chain_at_toy_size(tiny_data_dir: Path, tmp_path: Path,
         return out
 
     run("sweep", "law-quick.yaml", "--out", "runs/sweep", "--executor", "local",
-        "--workers", "2", "--quiet")
+        "--workers", "2", "--quiet", "--allow-dirty")
     table = pd.read_csv("runs/sweep/results.csv")
     assert len(table) == 10 and (table["status"] == "ok").all(), table[["status", "error"]]
     run("law", "fit", "runs/sweep/results.csv", "--out", "fit.json", "--plots", "plots/",

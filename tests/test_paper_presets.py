@@ -13,9 +13,10 @@ import time
 
 import pytest
 
-from xmodlm.config import load_config, preset_names
+from xmodlm.config import load_config
 from xmodlm.info import format_info, model_info
 from xmodlm.law import backbone
+from xmodlm.presets import preset_names
 
 SIZES = ("165m", "298m", "556m", "936m", "1.65b")
 MODELS = ("dense", "mod", "a4k8", "a3k16", "moe8x64", "moe8x128")

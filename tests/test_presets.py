@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from xmodlm import flops
-from xmodlm.config import load_config, preset_names
+from xmodlm.config import load_config
 from xmodlm.model import Transformer
+from xmodlm.presets import preset_names
 from xmodlm.sweep.spec import expand, load_spec
 
 SWEEPS = sorted(

@@ -42,6 +42,7 @@ GROUND = (
     "xmodlm.errors",  # the one user-error type
     "xmodlm.version",
     "xmodlm.typed",  # typed settings from YAML mappings
+    "xmodlm.presets",  # where settings come from: presets, YAML files, base chains
     "xmodlm.depth",  # the (K, A, N0) layer-construction rule
     "xmodlm.record",  # the run record's columns and the family recipes
     "xmodlm.fileio",

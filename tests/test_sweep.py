@@ -466,7 +466,7 @@ def test_run_set_changes_how_runs_execute_not_their_ids(tiny_data_dir: Path, tmp
     spec = _spec(tmp_path, tiny_data_dir, [{"family": "dense"}])
     (run,) = expand(load_spec(spec))
     out = tmp_path / "sweep"
-    assert main(["sweep", str(spec), "--out", str(out), "--quiet",
+    assert main(["sweep", str(spec), "--out", str(out), "--quiet", "--allow-dirty",
                  "--run-set", "train.log_every=1", "--run-set", "train.ckpt_every=2"]) == 0
     cfg = yaml.safe_load((out / "runs" / run.run_id / "config.yaml").read_text())
     assert (cfg["train"]["log_every"], cfg["train"]["ckpt_every"]) == (1, 2)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from xmodlm.config import preset_names
+from xmodlm.presets import preset_names
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = "torch==2.13.0"  # as the Makefile pins it: a loose requirement pulls a CUDA build

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import yaml
 from xmodlm import depth, record
 from xmodlm.depth_routers import kinds as depth_router_kinds
 from xmodlm.errors import UserError
+from xmodlm.presets import read_yaml, with_bases
 from xmodlm.typed import build, load_yaml
 
 GATINGS = ("logit", "sigmoid", "variance_scaled")
@@ -495,11 +495,6 @@ def _choice(obj: Any, key: str, allowed: tuple[str, ...]) -> None:
 # --- presets ----------------------------------------------------------------------
 
 
-def preset_names() -> list[str]:
-    root = resources.files("xmodlm") / "configs"
-    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
-
-
 def load_config(
     name_or_path: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
@@ -509,7 +504,7 @@ def load_config(
 
     A YAML file may say ``base: PRESET`` (or a YAML path) to start from another
     config; that base may have its own base, and the whole chain is merged, the
-    nearest file winning (:func:`_with_bases`).
+    nearest file winning (:func:`xmodlm.presets.with_bases`).
 
     With ``vocab_from_data`` (what ``xmod train`` asks for), ``model.vocab_size``
     is the vocabulary of the prepared corpus in ``data.dir`` unless the chain or the
@@ -518,13 +513,21 @@ def load_config(
     config (and so the run id) it always did. A config written by a run or a sweep
     states every field, so it never changes under it.
     """
-    raw = _with_bases(name_or_path, [])
+    raw = with_bases(name_or_path, [])
     cfg = Config.from_dict(raw, where="")
     if overrides:
         cfg = cfg.merge(list(overrides))
     if vocab_from_data and not _sets_vocab(raw, overrides):
         cfg = _with_data_vocab(cfg)
     return cfg.validate()
+
+
+def own_settings(name_or_path: str | Path) -> dict[str, Any]:
+    """The settings a preset or YAML file states itself, without those of its base:
+    what makes ``paper-556m-mod`` the MoD, whatever backbone it sits on."""
+    raw = read_yaml(name_or_path)
+    raw.pop("base", None)
+    return raw
 
 
 def _sets_vocab(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> bool:
@@ -543,57 +546,3 @@ def _with_data_vocab(cfg: Config) -> Config:
         return cfg
     vocab = load_manifest(cfg.data.dir)["vocab_size"]
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
-
-
-def _with_bases(name_or_path: str | Path, chain: list[str]) -> dict[str, Any]:
-    """The settings of ``name_or_path`` merged over those of its base, and so on up
-    the chain (a base dropped silently would train a different model than the file
-    says); a chain that comes back to itself is refused."""
-    key = str(name_or_path)
-    if key in chain:
-        loop = " -> ".join([*chain[chain.index(key):], key])
-        raise UserError(f"config base chain loops: {loop}; a base may not lead back to itself")
-    raw = _read_yaml(name_or_path)
-    base = raw.pop("base", None)
-    if base is None:
-        return raw
-    if not isinstance(base, str) or not base.strip():
-        raise UserError(f"config {key!r}: base {base!r} must be a preset name or a YAML path")
-    return _deep_merge(_with_bases(base, [*chain, key]), raw)
-
-
-def _read_yaml(name_or_path: str | Path) -> dict[str, Any]:
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise UserError(f"config file {str(path)!r} not found")
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            raise UserError(f"config file {str(path)!r} is not UTF-8 text (a binary file?)") from None
-    else:
-        res = resources.files("xmodlm") / "configs" / f"{name_or_path}.yaml"
-        if not res.is_file():
-            raise UserError(
-                f"unknown config {str(name_or_path)!r}: give a YAML path or one of the presets:"
-                f" {', '.join(preset_names())}"
-            )
-        text = res.read_text()
-    raw = load_yaml(text, f"config {str(name_or_path)!r}")
-    if raw is None:
-        raise UserError(
-            f"config {str(name_or_path)!r} is empty (no settings): give at least `base: PRESET`"
-        )
-    if not isinstance(raw, dict):
-        raise UserError(f"config {str(name_or_path)!r}: top level must be a mapping")
-    return raw
-
-
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out

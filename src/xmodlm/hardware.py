@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -114,21 +114,41 @@ def matmul_peak_gflops(dtype: str = "bf16", device: str = "cpu", n: int = 1024) 
     return measure_matmul_gflops(_DTYPES[dtype], dev, n, tries=tries, warmup=3)
 
 
-def _git_commit() -> str | None:
-    src = Path(__file__).resolve().parent
+class GitState(NamedTuple):
+    """The source tree this package runs from: its commit, whether tracked files
+    differ from it, and the tree's root."""
+
+    commit: str
+    dirty: bool
+    root: str
+
+
+def git_state() -> GitState | None:
+    """The git state of the tree this package is imported from; None where it is
+    not a git checkout (an installed wheel) or git cannot say. Untracked files do
+    not count: they are not the code a run imports."""
+    src = str(Path(__file__).resolve().parent)
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", "-C", src, *args], capture_output=True, text=True, timeout=5)
+
     try:
-        out = subprocess.run(
-            ["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=5,
-        )
+        head, root = git("rev-parse", "HEAD"), git("rev-parse", "--show-toplevel")
+        status = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if out.returncode != 0:
+    if head.returncode != 0 or status.returncode != 0:
         return None
-    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    return GitState(head.stdout.strip(), bool(status.stdout.strip()), root.stdout.strip())
+
+
+def _git_commit() -> str | None:
+    """The commit a run records: ``<sha>``, or ``<sha>-dirty`` where tracked files
+    differ from it."""
+    state = git_state()
+    if state is None:
+        return None
+    return state.commit + ("-dirty" if state.dirty else "")
 
 
 def _cpu_model() -> str:

@@ -42,6 +42,9 @@ def sweep_args(sub: argparse._SubParsersAction) -> None:
                    help="a setting of how the runs execute, for this invocation only and"
                    " without changing run ids (repeatable): train.compile=on,"
                    " train.device=cuda, train.ckpt_every=..., trackers")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="start runs although tracked files have uncommitted changes (each run"
+                   " records its commit as <sha>-dirty); refused otherwise")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.set_defaults(func=cmd_sweep)
 
@@ -82,7 +85,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     result = run_sweep(
         runs, args.out, executor=args.executor, workers=args.workers,
         max_retries=args.max_retries, progress=not args.quiet, eval_args=eval_args(spec),
-        run_set=args.run_set, name=spec.get("name"), **options,
+        run_set=args.run_set, name=spec.get("name"), allow_dirty=args.allow_dirty, **options,
     )
     path, n_rows, left_out = write_results(args.out)
     print(f"{result['ran']} ran, {result['skipped']} already done, {result['failed']} failed,"

@@ -49,7 +49,7 @@ def presets_args(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from xmodlm.config import preset_names
+    from xmodlm.presets import preset_names
 
     print("\n".join(preset_names()))
     return 0

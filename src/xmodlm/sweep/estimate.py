@@ -84,16 +84,19 @@ def estimate_seconds(
     With ``rate`` (training FLOP/s a run reached in an earlier sweep at this many
     workers, :func:`measured_rate`): compute / rate. Without it, rough: compute /
     (measured matmul peak x ASSUMED_MFU), slowed by sharing the machine's cores
-    between ``workers`` concurrent runs. The peak is measured in the dtype training
-    would use here (``train.dtype=auto``): timing bf16 on a CPU that only emulates
-    it would take seconds and mislead. The fixed cost matters: a small sweep's runs
-    spend more time starting and evaluating than training."""
+    between ``workers`` concurrent runs. The peak is measured in the dtype the runs
+    train in here (the first run's ``train.dtype``, ``auto`` resolved on this
+    machine): an fp32 study on a CPU with fast bf16 would otherwise be estimated at
+    the bf16 peak, and timing bf16 on a CPU that only emulates it would take seconds
+    and mislead. The fixed cost matters: a small sweep's runs spend more time
+    starting and evaluating than training."""
     fixed = DEFAULT_FIXED_S if fixed_s is None else fixed_s
     if rate is None:
         import torch
 
         from xmodlm.hardware import matmul_peak_gflops, resolve_dtype
 
-        dtype = resolve_dtype("auto", torch.device("cpu"))
+        asked = runs[0].cfg.train.dtype if runs else "auto"
+        dtype = resolve_dtype(asked, torch.device("cpu"))
         rate = matmul_peak_gflops(dtype, "cpu") * 1e9 * ASSUMED_MFU / max(1, workers)
     return [fixed + r.compute / rate for r in runs]

@@ -5,6 +5,12 @@ mapping built in Python) before anything expands, so that a fault is one
 :class:`~xmodlm.errors.UserError` line naming the key, not a traceback from deep
 in the expansion or a sweep that stops after hours. What the keys mean is in
 :mod:`xmodlm.sweep.spec`, which turns a checked spec into runs.
+
+A spec speaks one of two languages, set by its base (:func:`is_paper`): the
+paper's (K, A, N0) on a base built by the paper's construction
+(``model.active_layers > 0``), where every family keeps the backbone's active
+depth; or the earlier (stride, capacity), FLOP-matched to dense references by
+depth. A family key of the other language is refused, naming the one to use.
 """
 
 from __future__ import annotations
@@ -12,7 +18,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xmodlm.config import SEED_MAX
+from xmodlm.config import (
+    BALANCES,
+    GATE_SCOPES,
+    GATINGS,
+    MLPS,
+    MOE_ROUTERS,
+    OPTIMIZERS,
+    SEED_MAX,
+    load_config,
+)
 from xmodlm.errors import UserError
 
 SPEC_KEYS = {
@@ -23,7 +38,14 @@ EVAL_KEYS = {"tasks": "", "split": "test", "max_items": 200}  # ``eval:`` keys a
 ROUTING_KEYS = {"stride", "capacity", "gating", "balance_coef", "causal_router", "causal_coef"}
 MOE_KEYS = {"n_experts", "moe_top_k", "moe_aux_coef", "moe_z_coef"}
 LAYOUT_KEYS = {"anchors"}  # "stride" (every S-th block, the default) | "first" (block 0 only)
-TRAIN_KEYS = {"lr", "warmup_steps"}  # per-family training settings (e.g. tuned learning rates)
+# the paper's language: model fields a family sets directly (model.<key>), crossed
+PAPER_KEYS = {
+    "sparsity", "anchor_stride", "dense_prefix", "active_layers", "anchors", "gating",
+    "gate_scope", "balance", "token_bias_tau", "balance_coef", "causal_router", "causal_coef",
+    "mlp", *MOE_KEYS, "moe_router", "moe_shared", "moe_granularity", "moe_bias_rate",
+}
+LEGACY_ONLY = {"stride", "capacity"}  # the (S, c) description: FLOP-matched by depth
+TRAIN_KEYS = {"lr", "warmup_steps", "optimizer"}  # per-family training settings (crossed)
 SCALE_KEYS = {"lr_scale"}  # per-family multipliers of a training setting (crossed)
 GRID_KEYS = {"seeds", "compute", "dense"}  # per-family narrowing of the spec's grid (not crossed)
 LR_RULE_KEYS = ("lr", "width", "power")
@@ -37,9 +59,14 @@ RULES = {  # design rules a spec may require of every run: name -> (kind, what i
 
 
 # value kinds of a spec's family keys, checked before expansion (see check_spec)
-_INT_KEYS = {"stride": 1, "n_experts": 1, "moe_top_k": 1, "warmup_steps": 0}
-_NUMBER_KEYS = {"balance_coef", "causal_coef", "moe_aux_coef", "moe_z_coef", "lr", "lr_scale"}
+_INT_KEYS = {"stride": 1, "n_experts": 1, "moe_top_k": 1, "warmup_steps": 0, "dense_prefix": 0,
+             "moe_shared": 0, "moe_granularity": 1}
+_NUMBER_KEYS = {"balance_coef", "causal_coef", "moe_aux_coef", "moe_z_coef", "lr", "lr_scale",
+                "anchor_stride", "token_bias_tau", "moe_bias_rate"}
 _STRING_KEYS = {"gating", "causal_router", "anchors"}
+# string keys whose values are a config's choices: checked here, before expansion
+_CHOICE_KEYS = {"gating": GATINGS, "gate_scope": GATE_SCOPES, "balance": BALANCES,
+                "optimizer": OPTIMIZERS, "moe_router": MOE_ROUTERS, "mlp": MLPS}
 
 
 def _number(value: Any, where: str) -> float:
@@ -176,10 +203,26 @@ def _dense_subset(value: Any, dense: list[dict[str, Any]], where: str) -> list[t
     return sizes
 
 
+def is_paper(spec: dict[str, Any]) -> bool:
+    """Whether a spec speaks the paper's language: its base, with the spec's ``set``
+    applied, is built by the paper's construction (``model.active_layers > 0``)."""
+    extra = [str(item) for item in as_list(spec.get("set", []))]
+    return load_config(spec.get("base", "micro"), extra).model.active_layers > 0
+
+
+def family_keys(paper: bool) -> set[str]:
+    """The keys a family entry may give (besides ``family``) in each language."""
+    model = PAPER_KEYS if paper else ROUTING_KEYS | MOE_KEYS | LAYOUT_KEYS
+    return model | TRAIN_KEYS | SCALE_KEYS | GRID_KEYS
+
+
 def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """Check the values of a loaded spec before expansion; return it with numbers that
     YAML left as strings ("3e12") read as numbers. Every fault is one UserError line."""
     out = dict(spec)
+    for key in ("compute", "families"):
+        if not spec.get(key):
+            raise UserError(f"sweep spec: {key!r} is required and must not be empty")
     if spec.get("context") is not None:
         out["context"] = [_integer(t, "context", 1) for t in _some(spec["context"], "context")]
     out["compute"] = _budgets(spec["compute"], "compute", out.get("context"))
@@ -195,8 +238,29 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
         raise UserError("sweep spec: set must be a list of key.path=value strings")
     if spec.get("batch_tokens") is not None:
         out["batch_tokens"] = _integer(spec["batch_tokens"], "batch_tokens", 1)
+    paper = is_paper(spec)
+    out["dense"] = _dense_entries(spec.get("dense"), paper, spec.get("base", "micro"))
+    if spec.get("lr_rule") is not None:
+        out["lr_rule"] = _lr_rule(spec["lr_rule"])
+    out["families"] = [_family(entry, out, paper) for entry in _some(spec["families"], "families")]
+    return out
+
+
+def _dense_entries(value: Any, paper: bool, base: str) -> list[dict[str, Any]]:
+    """The dense references: (width, depth) entries that the (S, c) families are
+    FLOP-matched to; none in the paper's language, whose backbone is the base."""
+    if paper:
+        if value:
+            raise UserError(
+                f"sweep spec: dense: the base {base!r} is built by the paper's construction"
+                " (model.active_layers > 0), so it is the one backbone and every family keeps"
+                " its active depth: give no dense entries (vary the backbone with set)"
+            )
+        return []
+    if not value:
+        raise UserError("sweep spec: 'dense' is required and must not be empty")
     dense = []
-    for ref in _some(spec["dense"], "dense"):
+    for ref in _some(value, "dense"):
         if not isinstance(ref, dict) or not {"width", "n_layers"} <= set(ref):
             raise UserError("sweep spec: each dense entry needs width and n_layers")
         if unknown := set(ref) - set(DENSE_KEYS):
@@ -206,40 +270,75 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
             )
         dense.append({k: _integer(v, f"dense.{k}", 1) if k in ("width", "n_layers", "n_heads")
                       else v for k, v in ref.items()})
-    out["dense"] = dense
-    if spec.get("lr_rule") is not None:
-        out["lr_rule"] = _lr_rule(spec["lr_rule"])
-    families = []
-    for entry in _some(spec["families"], "families"):
-        if not isinstance(entry, dict):
-            raise UserError(f"sweep spec: families entry {entry!r}: must be a mapping with a family")
-        name = entry.get("family")
-        fam = {}
-        for key, value in entry.items():
-            where = f"families.{name}.{key}"
-            if key == "seeds":
-                fam[key] = _seeds(value, where)
-                continue
-            if key == "compute":
-                fam[key] = _budgets(value, where, out.get("context"), partial=True)
-                continue
-            if key == "dense":
-                fam[key] = _dense_subset(value, dense, where)
-                continue
-            values = _some(value, where)
-            if key in _INT_KEYS:
-                values = [_integer(v, where, _INT_KEYS[key]) for v in values]
-            elif key == "capacity":
-                values = [_number(v, where) for v in values]
-                if any(not 0 < v <= 1 for v in values):
-                    raise UserError(f"sweep spec: {where}={value!r}: must be in (0, 1]")
-            elif key in _NUMBER_KEYS:
-                values = [_number(v, where) for v in values]
-                if any(v < 0 for v in values):
-                    raise UserError(f"sweep spec: {where}={value!r}: must be >= 0")
-            elif key in _STRING_KEYS and any(not isinstance(v, str) for v in values):
-                raise UserError(f"sweep spec: {where}={value!r}: must be a string")
-            fam[key] = values if isinstance(value, list) else values[0]
-        families.append(fam)
-    out["families"] = families
-    return out
+    return dense
+
+
+def _wrong_language(where: str, key: str, paper: bool) -> str:
+    if paper:
+        return (f"sweep spec: {where}: the base is built by the paper's construction"
+                " (model.active_layers > 0): give sparsity (K = 1/capacity) and anchor_stride"
+                f" (A = (stride - 1)/K), not {key}")
+    return (f"sweep spec: {where}: {key} belongs to the paper's (K, A, N0) construction, and"
+            " this spec's base has model.active_layers 0 (families FLOP-matched by stride and"
+            " capacity): use a base with active_layers > 0, such as cpu-d64")
+
+
+def _family(entry: Any, spec: dict[str, Any], paper: bool) -> dict[str, Any]:
+    """One family entry, its values checked (numbers read, choices known, keys of the
+    spec's language only); list values stay lists (crossed at expansion)."""
+    if not isinstance(entry, dict):
+        raise UserError(f"sweep spec: families entry {entry!r}: must be a mapping with a family")
+    name = entry.get("family")
+    other = LEGACY_ONLY if paper else PAPER_KEYS - ROUTING_KEYS - MOE_KEYS - LAYOUT_KEYS
+    fam: dict[str, Any] = {}
+    for key, value in entry.items():
+        where = f"families.{name}.{key}"
+        if key in other:
+            raise UserError(_wrong_language(where, key, paper))
+        if key == "seeds":
+            fam[key] = _seeds(value, where)
+            continue
+        if key == "compute":
+            fam[key] = _budgets(value, where, spec.get("context"), partial=True)
+            continue
+        if key == "dense":
+            fam[key] = _dense_subset(value, spec["dense"], where)
+            continue
+        values = _values(key, value, where, paper)
+        fam[key] = values if isinstance(value, list) else values[0]
+    return fam
+
+
+def _values(key: str, shown: Any, where: str, paper: bool) -> list[Any]:
+    """The values of one family key (``shown``: one value or a list), checked by the
+    kind of value it takes."""
+    values = _some(shown, where)
+    if key in _INT_KEYS:
+        return [_integer(v, where, _INT_KEYS[key]) for v in values]
+    if key == "capacity":
+        values = [_number(v, where) for v in values]
+        if any(not 0 < v <= 1 for v in values):
+            raise UserError(f"sweep spec: {where}={shown!r}: must be in (0, 1]")
+    elif key in ("sparsity", "active_layers"):
+        values = [_number(v, where) for v in values]
+        least = 1 if key == "sparsity" else 0
+        if any(v < least or (v == 0 and key == "active_layers") for v in values):
+            what = "must be >= 1 (K; 1 is dense)" if key == "sparsity" else "must be > 0"
+            raise UserError(f"sweep spec: {where}={shown!r}: {what}")
+    elif key == "anchors" and paper:
+        if any(not isinstance(v, bool) for v in values):
+            raise UserError(
+                f"sweep spec: {where}={shown!r}: true or false (false: the ablation without"
+                " dense anchors)"
+            )
+    elif key in _NUMBER_KEYS:
+        values = [_number(v, where) for v in values]
+        if any(v < 0 for v in values):
+            raise UserError(f"sweep spec: {where}={shown!r}: must be >= 0")
+    elif key in _CHOICE_KEYS:
+        allowed = _CHOICE_KEYS[key]
+        if any(v not in allowed for v in values):
+            raise UserError(f"sweep spec: {where}={shown!r}: allowed: {', '.join(allowed)}")
+    elif key in _STRING_KEYS and any(not isinstance(v, str) for v in values):
+        raise UserError(f"sweep spec: {where}={shown!r}: must be a string")
+    return values

@@ -61,7 +61,9 @@ def dry_run(
     fmt = {"capacity": "{:.4g}".format, "params_active": "{:.4g}".format,
            "flops_per_token": "{:.4g}".format, "tokens": "{:.4g}".format,
            "compute": "{:.3g}".format, "est_s": "{:.0f}".format,
-           "head_frac": "{:.2f}".format,
+           "head_frac": "{:.2f}".format, "sparsity": "{:g}".format,
+           "anchor_stride": "{:.4g}".format, "lr": "{:.3g}".format,
+           "tokens_per_param": "{:.1f}".format,
            "epochs": lambda v: "?" if v is None or v != v else f"{v:.2f}",
            "done": lambda v: "done" if v else "-"}
     how = ("from the measured matmul peak; rough" if measured is None else

@@ -95,6 +95,23 @@ def check_run_set(items: Sequence[str], cfg: Config) -> tuple[str, ...]:
     return tuple(items)
 
 
+def check_source_tree(allow_dirty: bool) -> None:
+    """Refuse to start runs from a source tree whose tracked files differ from its
+    commit, unless ``allow_dirty``. A run records the commit it ran
+    (:func:`xmodlm.hardware.git_state`; ``<sha>-dirty`` for such a tree), and a
+    result whose code no commit holds cannot be rerun or checked. Nothing to refuse
+    where the package is not a git checkout."""
+    from xmodlm.hardware import git_state
+
+    state = None if allow_dirty else git_state()
+    if state is not None and state.dirty:
+        raise UserError(
+            f"the source tree {state.root} has uncommitted changes to tracked files, so no"
+            f" commit holds the code these runs would train: commit them, or pass --allow-dirty"
+            f" (each run then records its commit as {state.commit[:12]}-dirty)"
+        )
+
+
 def run_state(run_dir: Path, needs_eval: bool = False) -> tuple[str, int]:
     """(state, failed attempts) of a run directory: done | failed | pending. With
     ``needs_eval``, a trained run is done once its evaluation is written too."""
@@ -220,9 +237,13 @@ def run_sweep(
     eval_args: tuple[str, ...] = (),
     run_set: Sequence[str] = (),
     name: str | None = None,
+    allow_dirty: bool = True,
     **options: Any,
 ) -> dict[str, Any]:
     """Run every unfinished run of a sweep; return counts and each run's outcome.
+
+    ``allow_dirty=False`` (what ``xmod sweep`` passes unless told otherwise): refuse
+    to start from a source tree with uncommitted changes (:func:`check_source_tree`).
 
     ``name``: the spec's name, recorded in ``OUT/sweep.json``; a folder holding
     another sweep's runs is refused (:func:`claim_out`).
@@ -248,6 +269,7 @@ def run_sweep(
     out = Path(out_dir)
     runs = adopt_earlier_runs(runs, out / "runs")
     claim_out(out, name, runs)
+    check_source_tree(allow_dirty)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
     workers = max(1, workers or 1)

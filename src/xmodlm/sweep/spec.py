@@ -50,6 +50,35 @@ chosen so training FLOPs per token are closest; DESIGN 4) and every run gets the
 same compute C, so D = C / F_token. A run's id is a hash of its fully resolved
 configuration, so it is stable across invocations and machines.
 
+**The paper's language.** A spec whose base is built by the paper's construction
+(``model.active_layers > 0``, as ``cpu-d64`` is) has no ``dense`` entries: the
+base is the one backbone, and every family keeps its active depth (the same
+N_act) and gets the same C, so a sparse model trains on more tokens
+(:mod:`xmodlm.sweep.paper`)::
+
+    name: paper-demo
+    base: cpu-d64
+    compute: {1024: [4.0e13]}
+    context: [1024]
+    families:
+      - {family: dense, optimizer: [adamw, muon], lr: [1.6e-3, 3.2e-3]}
+      - {family: xmod, sparsity: [4, 8], anchor_stride: [0.5, 1, 2]}
+      - {family: xmod, sparsity: 8, anchor_stride: 1, balance: none}  # ablations:
+      - {family: xmod, sparsity: 8, anchor_stride: 1, anchors: false}  # balance, anchors,
+      - {family: xmod, sparsity: 8, anchor_stride: 1, dense_prefix: 0}  # gating, gate_scope
+      - {family: mod, active_layers: 7.75}
+      - {family: moe}
+
+A family takes the model keys ``sparsity`` (K), ``anchor_stride`` (A),
+``dense_prefix`` (N0), ``anchors``, ``gating``, ``gate_scope``, ``balance``,
+``token_bias_tau``, the MoE's (``n_experts``, ``moe_top_k``, ``moe_shared``,
+``moe_granularity``, ``moe_router``, ...) and ``active_layers`` (only where the
+construction cannot build a family at the backbone's depth: then its N_act
+differs, and the plan shows by how much). A (K, A, N0) it cannot build is
+refused, naming the combination. ``batch_tokens`` sets ``train.batch_tokens``.
+Any family may set ``optimizer`` (adamw | muon) and ``lr``, crossed, so a
+learning-rate sweep of both optimisers is one spec.
+
 The values each key may take are checked in :mod:`xmodlm.sweep.grammar` before
 anything expands; what the runs will cost in wall time is estimated in
 :mod:`xmodlm.sweep.estimate`.
@@ -71,11 +100,9 @@ from xmodlm import flops, record
 from xmodlm.budget import resolve_budget
 from xmodlm.config import Config, load_config
 from xmodlm.errors import UserError
+from xmodlm.sweep import paper as paper_families
 from xmodlm.sweep.grammar import (
     GRID_KEYS,
-    LAYOUT_KEYS,
-    MOE_KEYS,
-    ROUTING_KEYS,
     RULES,
     SCALE_KEYS,
     SPEC_KEYS,
@@ -83,6 +110,8 @@ from xmodlm.sweep.grammar import (
     as_list,
     check_spec,
     dense_size,
+    family_keys,
+    is_paper,
 )
 from xmodlm.typed import load_yaml
 
@@ -93,9 +122,12 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "moe": record.MOE_DEFAULTS,
 }
 
-# The record's configuration columns the sweep's plan shows.
+# The record's configuration columns the sweep's plan shows, in each language.
 PLAN_COLUMNS = ("family", "width", "n_layers", "stride", "capacity", "context", "gating",
                 "balance_coef", "params_total", "params_active", "flops_per_token")
+PAPER_PLAN_COLUMNS = ("family", "sparsity", "anchor_stride", "dense_prefix", "n_layers",
+                      "context", "gating", "balance", "params_total", "params_non_embedding",
+                      "params_active", "flops_per_token")
 
 
 @dataclass(frozen=True)
@@ -109,19 +141,24 @@ class RunSpec:
     def row(self) -> dict[str, Any]:
         """The run as the sweep's plan shows it: its record columns (gating ``-`` where
         no block routes), the tokens its budget buys, its steps and head share."""
-        m = self.cfg.model
+        m, t = self.cfg.model, self.cfg.train
         c = flops.count(m)
         row = record.config_row(m, c)
         if not record.is_sparse(m.depth.stride, m.depth.capacity, row["layout"]):
             row["gating"] = "-"
+        paper = m.active_layers > 0
+        tokens = self.compute / c.flops_train
+        steps = self.steps
         return {
             "id": self.run_id,
-            **{k: row[k] for k in PLAN_COLUMNS},
-            "seed": self.cfg.train.seed,
-            "tokens": self.compute / c.flops_train,
+            **{k: row[k] for k in (PAPER_PLAN_COLUMNS if paper else PLAN_COLUMNS)},
+            **({"optimizer": t.optimizer, "lr": t.lr} if paper else {}),
+            "seed": t.seed,
+            "tokens": tokens,
+            **({"tokens_per_param": tokens / c.params_non_embedding} if paper else {}),
             "compute": self.compute,
-            "steps": self.steps,
-            "warmup_steps": self.cfg.train.warmup_steps,
+            "steps": steps,
+            "warmup_steps": t.warmup(steps),
             "head_frac": flops.head_fraction(m),
         }
 
@@ -155,9 +192,6 @@ def load_spec(path: str | Path) -> dict[str, Any]:
         raise UserError(
             f"sweep spec: unknown key {sorted(unknown)[0]!r}; allowed: {', '.join(sorted(SPEC_KEYS))}"
         )
-    for key in ("compute", "dense", "families"):
-        if not spec.get(key):
-            raise UserError(f"sweep spec: {key!r} is required and must not be empty")
     return check_spec(spec)
 
 def eval_args(spec: dict[str, Any]) -> tuple[str, ...]:
@@ -172,8 +206,9 @@ def rule_lr(rule: dict[str, float], width: int) -> float:
     """The learning rate ``lr_rule`` gives a model of this width."""
     return rule["lr"] * (width / rule["width"]) ** -rule["power"]
 
-def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
-    """Cross the list-valued keys of one family entry."""
+def _variants(family_entry: dict[str, Any], paper: bool = False) -> list[dict[str, Any]]:
+    """Cross the list-valued keys of one family entry, over its family's defaults
+    (``paper``: the paper's recipes, :func:`xmodlm.sweep.paper.recipe`)."""
     entry = dict(family_entry)
     family = entry.pop("family", None)
     if family not in FAMILY_DEFAULTS:
@@ -182,14 +217,15 @@ def _variants(family_entry: dict[str, Any]) -> list[dict[str, Any]]:
         )
     for key in GRID_KEYS:
         entry.pop(key, None)
-    allowed = ROUTING_KEYS | MOE_KEYS | LAYOUT_KEYS | TRAIN_KEYS | SCALE_KEYS
+    allowed = family_keys(paper)
     unknown = set(entry) - allowed
     if unknown:
         raise UserError(
             f"sweep spec: family {family}: unknown key {sorted(unknown)[0]!r};"
-            f" allowed: {', '.join(sorted(allowed | GRID_KEYS))}"
+            f" allowed: {', '.join(sorted(allowed))}"
         )
-    merged = {**FAMILY_DEFAULTS[family], **entry}
+    defaults = paper_families.recipe(family) if paper else FAMILY_DEFAULTS[family]
+    merged = {**defaults, **entry}
     keys = sorted(merged)
     combos = itertools.product(*(as_list(merged[k]) for k in keys))
     return [{"family": family, **dict(zip(keys, combo, strict=True))} for combo in combos]
@@ -249,8 +285,10 @@ def run_id(cfg: Config) -> str:
 
 def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
     """All runs of a spec, compute-matched, in a deterministic order: by compute tier
-    (the i-th budget of each context), then context, dense reference, family, seed."""
+    (the i-th budget of each context), then context, dense reference, family, seed.
+    In the paper's language there is one backbone (the base) and no dense reference."""
     spec = check_spec(spec)
+    paper = is_paper(spec)
     base = spec.get("base", "micro")
     extra = [str(s) for s in as_list(spec.get("set", []))]
     if data_dir is not None:
@@ -266,7 +304,7 @@ def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
     for tier, context, dense_ref, family_entry, seed in itertools.product(
         range(n_tiers),
         as_list(spec.get("context", [None])),
-        as_list(spec["dense"]),
+        spec["dense"] or [None],
         as_list(spec["families"]),
         all_seeds,
     ):
@@ -276,25 +314,11 @@ def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
         if "dense" in family_entry and dense_size(dense_ref) not in family_entry["dense"]:
             continue
         compute = budgets[tier]
-        overrides = [
-            f"model.d_model={dense_ref['width']}",
-            f"model.n_layers={dense_ref['n_layers']}",
-            f"train.seed={seed}",
-            f"train.compute={compute}",
-            *extra,
-        ]
-        if "n_heads" in dense_ref:
-            overrides.append(f"model.n_heads={dense_ref['n_heads']}")
-        if spec.get("lr_rule"):
-            overrides.append(f"train.lr={rule_lr(spec['lr_rule'], int(dense_ref['width'])):.6g}")
-        if context is not None:
-            overrides.append(f"model.context={context}")
-        if spec.get("batch_tokens"):  # the same tokens per step at every context
-            T = int(context) if context is not None else load_config(base).model.context
-            overrides.append(f"train.batch_size={max(1, int(spec['batch_tokens']) // T)}")
+        overrides = _overrides(spec, dense_ref, context, [
+            f"train.seed={seed}", f"train.compute={compute}", *extra])
         dense_cfg = load_config(base, overrides)
-        for variant in _variants(family_entry):
-            cfg = _resolve_variant(dense_cfg, variant)
+        for variant in _variants(family_entry, paper):
+            cfg = _resolve_variant(dense_cfg, variant, paper)
             rid = run_id(cfg)
             if rid not in seen:
                 seen.add(rid)
@@ -302,6 +326,35 @@ def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
     if not runs:  # e.g. families whose per-context budgets name none of the contexts
         raise UserError("sweep spec expands to no runs: check its families' compute and seeds")
     return runs
+
+
+def _overrides(
+    spec: dict[str, Any], dense_ref: dict[str, Any] | None, context: int | None,
+    common: list[str],
+) -> list[str]:
+    """The ``--set`` overrides that make the base one run's reference: its dense
+    size (none in the paper's language: the base is the backbone), context, batch
+    and learning rate; ``common`` (seed, budget, the spec's set) after the size."""
+    base = spec.get("base", "micro")
+    if dense_ref is None:
+        overrides = list(common)
+    else:
+        overrides = [f"model.d_model={dense_ref['width']}",
+                     f"model.n_layers={dense_ref['n_layers']}", *common]
+        if "n_heads" in dense_ref:
+            overrides.append(f"model.n_heads={dense_ref['n_heads']}")
+    if spec.get("lr_rule"):
+        width = (int(dense_ref["width"]) if dense_ref is not None
+                 else load_config(base, common).model.d_model)
+        overrides.append(f"train.lr={rule_lr(spec['lr_rule'], width):.6g}")
+    if context is not None:
+        overrides.append(f"model.context={context}")
+    if spec.get("batch_tokens") and dense_ref is None:  # the trainer's own rule
+        overrides.append(f"train.batch_tokens={int(spec['batch_tokens'])}")
+    elif spec.get("batch_tokens"):  # the same tokens per step at every context
+        T = int(context) if context is not None else load_config(base).model.context
+        overrides.append(f"train.batch_size={max(1, int(spec['batch_tokens']) // T)}")
+    return overrides
 
 
 def _for_context(
@@ -324,7 +377,8 @@ def check_requirements(
     figures: list[dict[str, Any]] = []
     broken: dict[str, list[str]] = {}
     for run in runs:
-        steps, warmup = run.steps, run.cfg.train.warmup_steps
+        steps = run.steps
+        warmup = run.cfg.train.warmup(steps)
         row = {
             "min_steps": steps - warmup,
             "max_warmup_frac": warmup / steps,
@@ -350,7 +404,7 @@ def check_requirements(
     return figures, lines
 
 
-def _resolve_variant(dense_cfg: Config, variant: dict[str, Any]) -> Config:
+def _resolve_variant(dense_cfg: Config, variant: dict[str, Any], paper: bool = False) -> Config:
     family = variant["family"]
     changes = {k: v for k, v in variant.items() if k not in {"family"} | TRAIN_KEYS | SCALE_KEYS}
     train = dataclasses.replace(
@@ -358,6 +412,9 @@ def _resolve_variant(dense_cfg: Config, variant: dict[str, Any]) -> Config:
     )
     if variant.get("lr_scale", 1) != 1:
         train = dataclasses.replace(train, lr=float(f"{train.lr * variant['lr_scale']:.6g}"))
+    if paper:
+        new_model = paper_families.paper_model(dense_cfg.model, variant)
+        return dataclasses.replace(dense_cfg, model=new_model, train=train, name=family).validate()
     anchors = changes.pop("anchors", "stride")
     if anchors not in ("stride", "first"):
         raise UserError(f"sweep spec: anchors={anchors!r}: allowed: stride, first")
