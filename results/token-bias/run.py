@@ -22,7 +22,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TAUS = (0.0, 0.1, 0.3, 1.0, 3.0)
 SEEDS = (0, 1, 2)
-SETS = ["model.sparsity=8", "model.anchor_stride=1", "model.context=256", "train.batch_size=8",
+SETS = ["model.sparsity=8", "model.anchor_stride=1", "model.context=256", "model.n_kv_heads=0",
+        "train.batch_size=8",
         "train.batch_tokens=0", "train.max_steps=300", "train.warmup_frac=0",
         "train.warmup_steps=30", "train.eval_every=150",
         "train.ckpt_every=150", "train.dtype=fp32", "train.compile=off", "data.val_batches=8"]
