@@ -75,7 +75,7 @@ class ModelConfig:
     # depth-wise token balancing: token_bias (r = sigmoid(s - tau b), b a token's
     # selections so far in its stage) | cv (squared-CV loss, weight balance_coef) | none
     balance: str = "token_bias"
-    token_bias_tau: float = 0.5
+    token_bias_tau: float = 1.0
     token_bias_step: float = 1.0  # what b grows by at each selection
     balance_coef: float = 0.0  # weight of the cv balancing loss
     causal_router: str = "bce"  # bce: BCE on router logits | predictor: stop-grad MLP
