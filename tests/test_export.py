@@ -118,6 +118,14 @@ def test_export_and_load_errors(
         {"format": "xmodlm-export", "format_version": 99, "xmod": {}}))
     with pytest.raises(UserError, match="upgrade"):
         xmodlm.load_pretrained(bad)
+    # a key given twice in an edited config.json is refused, not resolved to the last
+    text = (exported / "config.json").read_text()
+    (bad / "config.json").write_text(text.replace('"gating":', '"gating": "logit", "gating":', 1))
+    with pytest.raises(UserError, match="'gating' given twice"):
+        xmodlm.load_pretrained(bad)
+    (bad / "config.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="neither an exported model"):
+        xmodlm.load_pretrained(bad)
 
 
 def test_transformers_loads_export_and_generates_like_xmod(

@@ -55,6 +55,7 @@ from xmodlm.runs import (
     tokenizer_path,
     untie_weights,
 )
+from xmodlm.typed import load_json
 from xmodlm.version import __version__
 
 FORMAT_VERSION = 2  # 2: the standalone modeling file and its config fields
@@ -296,9 +297,12 @@ def _write_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
 def _read_export_config(path: Path) -> tuple[dict[str, Any], ModelConfig]:
     file = path / EXPORT_CONFIG
     try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
         raise UserError(f"{file} is not valid JSON: {err}") from None
+    raw = load_json(text, str(file))
+    if not isinstance(raw, dict):
+        raise UserError(f"{file}: top level must be a JSON object")
     if raw.get("format") != EXPORT_FORMAT or not isinstance(raw.get("xmod"), dict):
         raise UserError(f"{file} is not an xmod-lm export (no 'format: {EXPORT_FORMAT}' / 'xmod')")
     if int(raw.get("format_version", 0)) > FORMAT_VERSION:

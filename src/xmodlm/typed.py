@@ -9,6 +9,7 @@ ranges and choices of each setting are checked where they are declared.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -50,6 +51,22 @@ def load_yaml(text: str, what: str) -> Any:
         problem = getattr(err, "problem", None)
         why = f": {problem}" if problem and "duplicate" in problem else ""
         raise UserError(f"{what} is not valid YAML{at}{why}") from None
+
+
+def load_json(text: str, what: str) -> Any:
+    """Parse a JSON file a user may have edited (an export's config): bad syntax or a
+    key given twice in one object (which ``json`` would resolve to the last) is one
+    line naming ``what``."""
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        if twice := sorted({k for k in keys if keys.count(k) > 1}):
+            raise UserError(f"{what}: key {twice[0]!r} given twice; give each key once")
+        return dict(pairs)
+
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except ValueError as err:
+        raise UserError(f"{what} is not valid JSON: {err}") from None
 
 
 def build(cls: type, raw: Any, where: str,
