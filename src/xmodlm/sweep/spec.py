@@ -316,7 +316,8 @@ def expand(spec: dict[str, Any], data_dir: str | None = None) -> list[RunSpec]:
         compute = budgets[tier]
         overrides = _overrides(spec, dense_ref, context, [
             f"train.seed={seed}", f"train.compute={compute}", *extra])
-        dense_cfg = load_config(base, overrides)
+        # the corpus's vocabulary unless the spec names one, as `xmod train` takes it
+        dense_cfg = load_config(base, overrides, vocab_from_data=True)
         for variant in _variants(family_entry, paper):
             cfg = _resolve_variant(dense_cfg, variant, paper)
             rid = run_id(cfg)
