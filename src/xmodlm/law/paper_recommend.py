@@ -36,6 +36,7 @@ from xmodlm import depth
 from xmodlm.errors import UserError
 from xmodlm.law import backbone as bb
 from xmodlm.law import paper
+from xmodlm.law.recommend import check_question
 
 EXTRAPOLATED_MAX_K = 64
 A_STEP = 0.5
@@ -65,12 +66,7 @@ def recommend_paper(
     """Rank the (K, A, N0) models of N_act ``active_params`` at ``context`` and budget
     ``compute`` by Eq. 14 (see the module doc). ``top`` keeps the best ``top``
     candidates in the answer (all are ranked)."""
-    if not compute > 0 or not active_params > 0:
-        raise UserError(f"compute={compute} and active_params={active_params} must both be positive")
-    if context < 1 or context != int(context):
-        raise UserError(f"context={context}: must be an integer >= 1")
-    if max_total_params is not None and not max_total_params > 0:
-        raise UserError(f"max_total_params={max_total_params}: must be positive")
+    check_question(compute, context, active_params, max_total_params)
     if any(n < 0 or n != int(n) for n in dense_prefixes):
         raise UserError(f"dense prefixes {list(dense_prefixes)}: each must be an integer >= 0")
     law = law or paper.table8()

@@ -108,14 +108,11 @@ def _default_fit() -> LawFit:
     return load_fit(str(path))
 
 
-def _check(
-    compute: float,
-    context: int,
-    active_params: float,
-    max_total_params: float | None,
-    strides: Sequence[int],
-    capacities: Sequence[float],
+def check_question(
+    compute: float, context: int, active_params: float, max_total_params: float | None
 ) -> None:
+    """The question every recommender answers (a budget, a context, an active size,
+    an optional cap on total parameters), checked the same for every law."""
     if not compute > 0 or not active_params > 0:
         raise UserError(
             f"compute={compute} and active_params={active_params} must both be positive"
@@ -124,6 +121,17 @@ def _check(
         raise UserError(f"context={context}: must be an integer >= 1")
     if max_total_params is not None and not max_total_params > 0:
         raise UserError(f"max_total_params={max_total_params}: must be positive")
+
+
+def _check(
+    compute: float,
+    context: int,
+    active_params: float,
+    max_total_params: float | None,
+    strides: Sequence[int],
+    capacities: Sequence[float],
+) -> None:
+    check_question(compute, context, active_params, max_total_params)
     if any(s < 1 or s != int(s) for s in strides):
         raise UserError(f"strides {list(strides)}: each must be an integer >= 1")
     if any(not 0 < c <= 1 for c in capacities):
