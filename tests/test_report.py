@@ -132,7 +132,27 @@ def test_paired_seeds_causal_loss_and_learning_rates(tmp_path: Path) -> None:
     dense_lr = next(m for m in rep["learning_rates"] if m["model"].startswith("dense"))
     assert dense_lr["best_lr"] == 3e-3 and dense_lr["best_at_edge"]
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "| 1e+13 | 128 | 128 | xmod S=4 c=0.125 variance_scaled bal=0.01 lr=0.003 | 3 |" in md
+    assert "| 1e+13 | 128 | 128 | xmod S=4 c=0.125 variance_scaled bal=cv:0.01 lr=0.003 | 3 |" in md
+
+
+def test_optimisers_are_other_models(tmp_path: Path) -> None:
+    """AdamW and Muon runs of one seed are two models, never two seeds of one: the
+    learning-rate section names each optimiser's best rate on its own runs, and a Muon
+    X-MoD pairs with the Muon dense run, not the AdamW one of the same rate."""
+    x = {"stride": 4, "capacity": 0.125, "gating": "variance_scaled", "balance": "token_bias"}
+    rows = [
+        _row("dense", 128, 1e13, 5.0, lr=1e-3, optimizer="adamw"),
+        _row("dense", 128, 1e13, 5.2, lr=2e-3, optimizer="adamw"),
+        _row("dense", 128, 1e13, 4.9, lr=1e-3, optimizer="muon"),
+        _row("dense", 128, 1e13, 4.7, lr=2e-3, optimizer="muon"),
+        _row("xmod", 128, 1e13, 4.6, lr=2e-3, optimizer="muon", **x),
+    ]
+    rep = sweep_report_table(pd.DataFrame(rows), tmp_path)
+    best = {m["model"]: m["best_lr"] for m in rep["learning_rates"]}
+    assert best == {"dense": 1e-3, "dense muon": 2e-3}
+    (pair,) = rep["paired"]
+    assert pair["mean"] == pytest.approx(4.6 - 4.7)
+    assert pair["config"] == "xmod S=4 c=0.125 variance_scaled bal=token_bias muon lr=0.002"
 
 
 def test_budgets_are_tiered_per_context(tmp_path: Path) -> None:
@@ -349,14 +369,14 @@ def test_mechanism_effects_within_a_level_of_another_factor(tmp_path: Path) -> N
            for m in rep["mechanisms"]}
     assert eff[("gating", "logit", ())]["mean"] == pytest.approx(0.505)
     assert eff[("gating", "logit", (("anchors", "every S-th block"),))]["mean"] == pytest.approx(0.01)
-    first = eff[("gating", "logit", (("anchors", "first block only"),))]
+    first = eff[("gating", "logit", (("anchors", "prefix only"),))]
     assert first["mean"] == pytest.approx(1.0) and first["pairs"] == 3 and first["seeds"] == 3
-    anchors = eff[("anchors", "first block only", (("gating", "variance_scaled"),))]
+    anchors = eff[("anchors", "prefix only", (("gating", "variance_scaled"),))]
     assert anchors["mean"] == pytest.approx(0.1)
-    assert eff[("anchors", "first block only", (("gating", "logit"),))]["mean"] == pytest.approx(1.09)
+    assert eff[("anchors", "prefix only", (("gating", "logit"),))]["mean"] == pytest.approx(1.09)
     assert not any(m["within"] and "balancing" in m["within"] for m in rep["mechanisms"])
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "| gating | logit | variance_scaled | anchors first block only | 3 | 3 |" in md
+    assert "| gating | logit | variance_scaled | anchors prefix only | 3 | 3 |" in md
 
 
 def test_downstream_tasks_are_paired_with_dense(tmp_path: Path) -> None:
@@ -472,8 +492,8 @@ def test_dynamics_mean_and_se_over_seeds_per_configuration(tmp_path: Path) -> No
     dyn = rep["dynamics"]
     assert dyn["runs"] == 6 and dyn["skipped_no_metrics"] == 1
     cfg = {c["config"]: c for c in dyn["configs"]}
-    assert set(cfg) == {"dense", "xmod S=4 c=0.125 sigmoid bal=0"}
-    xm = cfg["xmod S=4 c=0.125 sigmoid bal=0"]
+    assert set(cfg) == {"dense", "xmod S=4 c=0.125 sigmoid bal=none"}
+    xm = cfg["xmod S=4 c=0.125 sigmoid bal=none"]
     assert xm["n"] == 3 and xm["seeds"] == [0, 1, 2]
     assert xm["spikes"]["mean"] == pytest.approx(1.0)
     assert xm["spikes"]["se"] == pytest.approx(1 / 3**0.5)
@@ -490,7 +510,7 @@ def test_dynamics_mean_and_se_over_seeds_per_configuration(tmp_path: Path) -> No
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Training dynamics" in md and "(1 without one skipped)" in md
     assert "![sparse depth per token](depth_hist.png)" in md
-    assert "| xmod S=4 c=0.125 sigmoid bal=0 | 3 | 1.00 +- 0.58 |" in md
+    assert "| xmod S=4 c=0.125 sigmoid bal=none | 3 | 1.00 +- 0.58 |" in md
 
 
 def test_residual_rms_at_init_is_the_run_model_rebuilt(tmp_path: Path, tiny_data_dir: Path) -> None:

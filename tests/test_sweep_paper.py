@@ -119,16 +119,18 @@ def test_batch_tokens_is_the_trainers_own_in_the_paper_language() -> None:
 
 
 def test_shipped_paper_specs() -> None:
-    """The study's grid as its header says: 49 runs in paper-cpu, each family at the
-    backbone's active depth and its context's one budget, headline cells at three
-    seeds, the MoE beside an X-MoD of its total parameters; 20 dense runs in
-    paper-cpu-lr. Both meet their design rules (epochs need the data: unchecked)."""
+    """The study's grid as its header says: 52 runs in paper-cpu, each family at the
+    backbone's active depth and its context's one budget, headline cells and the four
+    ablations at three seeds, the MoE beside an X-MoD of its total parameters, and at
+    L = 4096 dense alone (the X-MoD there waits for the registered prediction); 24
+    dense runs in paper-cpu-lr. Both meet their design rules (epochs need the data:
+    unchecked)."""
     runs = expand(load_spec("paper-cpu"))
-    assert len(runs) == 49
+    assert len(runs) == 52
     budgets: dict[int, set[float]] = {}
     for r in runs:
         budgets.setdefault(r.cfg.model.context, set()).add(r.compute)
-    assert all(len(b) == 1 for b in budgets.values()) and sorted(budgets) == [256, 512, 1024, 2048]
+    assert all(len(b) == 1 for b in budgets.values()) and sorted(budgets) == [256, 512, 1024, 2048, 4096]
     assert {r.cfg.model.active_layers for r in runs if r.cfg.model.family != "mod"} == {8.0}
     cells: dict[tuple, set[int]] = {}
     for r in runs:
@@ -139,7 +141,8 @@ def test_shipped_paper_specs() -> None:
     three = {k for k, seeds in cells.items() if seeds == {0, 1, 2}}
     assert {(k[0], k[1]) for k in three} == {("dense", 1.0), ("xmod", 8.0), ("xmod", 16.0),
                                              ("mod", 8.0), ("moe", 1.0)}
-    assert all(k[-1] == 1024 for k in three)
+    assert all(k[-1] == 1024 for k in three) and len(three) == 9
+    assert {r.cfg.model.family for r in runs if r.cfg.model.context == 4096} == {"dense"}
     moe = next(r for r in runs if r.cfg.model.family == "moe")
     twin = next(r for r in runs if r.cfg.model.sparsity == 16 and r.cfg.model.context == 1024
                 and r.cfg.model.anchor_stride == 1)
@@ -148,7 +151,7 @@ def test_shipped_paper_specs() -> None:
     spec = load_spec("paper-cpu")
     check_requirements(runs, spec["require"])
     lr_runs = expand(load_spec("paper-cpu-lr"))
-    assert len(lr_runs) == 20 and {r.cfg.model.family for r in lr_runs} == {"dense"}
+    assert len(lr_runs) == 24 and {r.cfg.model.family for r in lr_runs} == {"dense"}
     assert {r.cfg.train.optimizer for r in lr_runs} == {"adamw", "muon"}
     check_requirements(lr_runs, load_spec("paper-cpu-lr")["require"])
 

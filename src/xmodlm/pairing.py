@@ -8,6 +8,8 @@ paired baseline) is routed-minus-partner. The rule lives here so that both agree
   to has the routed model's width) and seed (so the same data order);
 * the same peak learning rate where the table records one and a dense run at
   that rate exists (a learning-rate sweep pairs at equal rates);
+* the same optimiser where the table records it (AdamW and Muon runs are other
+  models, never each other's reference);
 * training compute within ``MATCH_TOLERANCE`` in ln C (the sweep gives both the
   same budget; only whole optimiser steps separate them), the nearest one when
   several qualify.
@@ -35,11 +37,14 @@ def dense_partners(df: pd.DataFrame, dense: np.ndarray | pd.Series) -> np.ndarra
     seed = df["seed"].to_numpy(float)
     ln_c = np.log(df["compute"].to_numpy(float))
     lr = pd.to_numeric(df["lr"], errors="coerce").to_numpy(float) if "lr" in df else None
+    optimizer = df["optimizer"].to_numpy(object) if "optimizer" in df else None
     out = np.full(len(df), NO_PARTNER, dtype=int)
     for i in np.flatnonzero(~is_dense):
         same = is_dense & (context == context[i]) & (width == width[i]) & (seed == seed[i])
         if lr is not None and np.isfinite(lr[i]) and (same & (lr == lr[i])).any():
             same &= lr == lr[i]
+        if optimizer is not None and pd.notna(optimizer[i]):
+            same &= optimizer == optimizer[i]  # another optimiser is another model
         candidates = np.flatnonzero(same)
         if not len(candidates):
             continue

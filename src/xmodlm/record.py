@@ -29,7 +29,7 @@ RUN_COLUMNS = (
 PAIRING_COLUMNS = ("cpu_kind", "dtype", "compile")
 EXTRA_COLUMNS = (
     "sparsity", "anchor_stride", "dense_prefix", "balance", "token_bias_tau", "run_id", "val_loss_causal", "routing_agreement", "wall_s",
-    "steps", "batch_tokens", "lr", "warmup_steps", "epochs", "layout", "commit", "error",
+    "steps", "batch_tokens", "optimizer", "lr", "warmup_steps", "epochs", "layout", "commit", "error",
     *PAIRING_COLUMNS,
 )
 # From ``eval.json``, where the sweep evaluated the final checkpoint (spec ``eval``):
@@ -111,10 +111,33 @@ def is_sparse(stride: int, capacity: float, layout: str | None = None) -> bool:
     return depth.routes(stride, capacity)
 
 
-def first_anchor_only(layout: str, stride: int) -> bool:
-    """The anchors ablation: one anchor, then only sparse blocks (fewer anchors than the
-    stride would place)."""
-    return layout.startswith("D") and set(layout[1:]) == {"s"} and stride < len(layout)
+def prefix_only(layout: str, stride: int) -> bool:
+    """The anchors ablation: every dense block before the first sparse one (a dense
+    prefix, then only sparse blocks), in a stack longer than the stride, where the
+    construction would have placed anchors. Both ablations are this: the (S, c)
+    stack's first block only, and the paper's stages without their closing anchors."""
+    first = layout.find("s")
+    return first > 0 and "D" not in layout[first:] and stride < len(layout)
+
+
+def no_prefix(layout: str) -> bool:
+    """The dense-prefix ablation: the stack begins with a sparse block."""
+    return layout.startswith("s")
+
+
+DEFAULT_OPTIMIZER = "adamw"  # the only optimiser before Muon; labels leave it unnamed
+
+
+def recorded_mechanism(balance: Any, coef: Any, optimizer: Any) -> dict[str, Any]:
+    """A row's balancing kind, coefficient and optimiser, with what a table from before
+    they were recorded meant: the CV loss where it had a coefficient (as such a config
+    loads), and AdamW."""
+    import pandas as pd
+
+    coef = 0.0 if pd.isna(coef) else float(coef)
+    return {"balance": ("cv" if coef > 0 else "none") if pd.isna(balance) else str(balance),
+            "balance_coef": coef,
+            "optimizer": DEFAULT_OPTIMIZER if pd.isna(optimizer) else str(optimizer)}
 
 
 def config_row(model: Any, counts: Any) -> dict[str, Any]:

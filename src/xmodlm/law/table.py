@@ -19,7 +19,7 @@ Derived columns added to the frame:
 * ``tier``: the compute tier, log10(C) rounded to the nearest quarter decade, so a
   sweep's budgets (1e15, 3e15, 1e16 ...) group together despite small drift;
 * ``variant``: the family with its mechanism settings (``xmod``,
-  ``xmod[gating=sigmoid]``, ``xmod[anchors=first]``, ``mod``, ``dense``), so that
+  ``xmod[gating=sigmoid]``, ``xmod[anchors=prefix]``, ``mod``, ``dense``), so that
   fits never pool families or ablation variants by accident;
 * ``config``: an integer id shared by the seeds of one configuration (same
   variant, width, depth, routing, context and budget): the bootstrap resamples
@@ -264,11 +264,16 @@ def _variants(frame: pd.DataFrame) -> pd.Series:
         gating = str(row.get("gating", MECHANISM_DEFAULTS["gating"]))
         if gating not in ("nan", MECHANISM_DEFAULTS["gating"]):
             parts.append(f"gating={gating}")
-        balance = float(row.get("balance_coef", MECHANISM_DEFAULTS["balance_coef"]))
-        if balance != MECHANISM_DEFAULTS["balance_coef"]:
-            parts.append(f"balance={balance:g}")
-        if record.first_anchor_only(str(row.get("layout", "")), row["stride"]):
-            parts.append("anchors=first")
+        mech = record.recorded_mechanism(row.get("balance"), row.get("balance_coef"), None)
+        if mech["balance"] == "none":
+            parts.append("balance=none")
+        elif mech["balance"] == "cv" and mech["balance_coef"] != MECHANISM_DEFAULTS["balance_coef"]:
+            parts.append(f"balance=cv:{mech['balance_coef']:g}")
+        layout = str(row.get("layout", "") or "")
+        if record.prefix_only(layout, row["stride"]):
+            parts.append("anchors=prefix")
+        if record.no_prefix(layout):
+            parts.append("prefix=0")
         labels.append(f"xmod[{','.join(parts)}]" if parts else "xmod")
     return pd.Series(labels, index=frame.index, dtype=object)
 

@@ -27,24 +27,41 @@ if TYPE_CHECKING:
 
 REQUIRED = ("family", "width", "context", "val_loss")
 TIER_GAP = 0.15  # decades between distinct compute budgets
-CONFIG_KEYS = ("family", "stride", "capacity", "gating", "balance_coef")
+# what makes two runs of one family different models (seeds aside): the routing, the
+# mechanism settings and the optimiser (AdamW, the default, goes unnamed in labels)
+CONFIG_KEYS = ("family", "stride", "capacity", "gating", "balance", "balance_coef", "optimizer")
+DEFAULT_OPTIMIZER = record.DEFAULT_OPTIMIZER
 PAIR_KEYS = ("tier", "context", "width", *CONFIG_KEYS, "layout", "lr")
 
 
 def config_label(key: tuple[Any, ...]) -> str:
-    family, stride, capacity, gating, balance = key
+    family, stride, capacity, gating, balance, coef, optimizer = key
+    opt = "" if optimizer == DEFAULT_OPTIMIZER else f" {optimizer}"
     if family == "moe":
-        return "moe"
-    return f"{family} S={stride} c={capacity:g} {gating} bal={balance:g}"
+        return "moe" + opt
+    bal = f"{balance}:{coef:g}" if balance == "cv" else str(balance)
+    return f"{family} S={stride} c={capacity:g} {gating} bal={bal}{opt}"
+
+
+def model_label(row: dict[str, Any]) -> str:
+    """The model of a run as the report names it: mechanism settings and optimiser
+    (dense: the optimiser alone)."""
+    key = {**row, **record.recorded_mechanism(row.get("balance"), row.get("balance_coef"),
+                                       row.get("optimizer"))}
+    opt = "" if key["optimizer"] == DEFAULT_OPTIMIZER else f" {key['optimizer']}"
+    if record.is_dense(row["family"]):
+        return record.DENSE + opt
+    k, a = row.get("sparsity"), row.get("anchor_stride")
+    paper = f" A{float(a):g}K{float(k):g}" if pd.notna(k) and pd.notna(a) else ""
+    return config_label(tuple(key[k] for k in CONFIG_KEYS)) + paper
 
 
 def run_label(row: dict[str, Any]) -> str:
-    """The configuration of a run (or of a group of seeds) as the report names it:
-    mechanism settings, anchors when only the first block of the stack is dense,
-    and the peak learning rate where the sweep records it."""
-    base = record.DENSE if record.is_dense(row["family"]) else config_label(
-        tuple(row[k] for k in CONFIG_KEYS))
-    return (base + (" anchors=first" if _first_anchor_only(row) else "")
+    """The configuration of a run (or of a group of seeds) as the report names it: its
+    model, anchors when only the first block of the stack is dense, and the peak
+    learning rate where the sweep records it."""
+    return (model_label(row) + (" anchors=prefix" if _prefix_only(row) else "")
+            + (" prefix=0" if record.no_prefix(str(row.get("layout") or "")) else "")
             + (f" lr={row['lr']:g}" if np.isfinite(row["lr"]) else ""))
 
 
@@ -77,9 +94,13 @@ def finished_table(raw: pd.DataFrame, path: str | Path) -> tuple[pd.DataFrame, i
     if "seed" not in df.columns:
         df["seed"] = 0
     for col, default in (("stride", 1), ("capacity", 1.0), ("gating", "-"), ("balance_coef", 0.0),
-                         ("layout", ""), ("lr", np.nan)):
+                         ("layout", ""), ("lr", np.nan), ("balance", None), ("optimizer", None)):
         if col not in df.columns:
             df[col] = default
+    filled = [record.recorded_mechanism(*v) for v in zip(df["balance"], df["balance_coef"],
+                                                    df["optimizer"], strict=True)]
+    for col in ("balance", "balance_coef", "optimizer"):
+        df[col] = [f[col] for f in filled]
     df["layout"] = df["layout"].fillna("").astype(str)
     df["lr"] = pd.to_numeric(df["lr"], errors="coerce")
     # budgets are per context: FLOP-matching at another context gives other budgets
@@ -136,9 +157,7 @@ def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
                 "context": int(run["context"]),
                 "width": int(run["width"]),
                 "seed": run["seed"],
-                "stride": run["stride"],
-                "capacity": run["capacity"],
-                "gating": run["gating"],
+                **{k: run[k] for k in CONFIG_KEYS[1:]},
                 "balance_coef": float(run["balance_coef"]),
                 "layout": run.get("layout", ""),
                 "lr": lr,
@@ -282,11 +301,11 @@ def _law_answer(fit: LawFit, df: pd.DataFrame, context: int, tier: float, width:
 # a contrast is (other level) minus (reference), all else equal.
 FACTORS = {
     "gating": ("variance_scaled", lambda r: str(r["gating"])),
-    "balancing": ("on", lambda r: "on" if float(r["balance_coef"]) > 0 else "off"),
-    "anchors": ("every S-th block", lambda r: "first block only" if _first_anchor_only(r)
+    "balancing": ("on", lambda r: "off" if str(r["balance"]) == "none" else "on"),
+    "anchors": ("every S-th block", lambda r: "prefix only" if _prefix_only(r)
                 else "every S-th block"),
 }
-_MATCH = ["tier", "context", "width", "family", "stride", "capacity", "lr", "seed"]
+_MATCH = ["tier", "context", "width", "family", "stride", "capacity", "optimizer", "lr", "seed"]
 
 
 def mechanism_effects(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
@@ -353,9 +372,9 @@ def mechanism_effects(comparisons: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
-def _first_anchor_only(row: dict[str, Any]) -> bool:
-    """:func:`xmodlm.record.first_anchor_only` of a table row (layout may be missing)."""
-    return record.first_anchor_only(str(row.get("layout") or ""), int(row["stride"]))
+def _prefix_only(row: dict[str, Any]) -> bool:
+    """:func:`xmodlm.record.prefix_only` of a table row (layout may be missing)."""
+    return record.prefix_only(str(row.get("layout") or ""), int(row["stride"]))
 
 
 def learning_rates(df: pd.DataFrame) -> list[dict[str, Any]]:
@@ -386,9 +405,8 @@ def learning_rates(df: pd.DataFrame) -> list[dict[str, Any]]:
                           "mean_common": float(shared.mean()) if len(shared) else None})
         judged = "mean_common" if common else "mean"
         best = min(by_lr, key=lambda e: e[judged])
-        label = record.DENSE if record.is_dense(row["family"]) else config_label(
-            tuple(row[k] for k in CONFIG_KEYS))
-        out.append({"model": f"{label} L={int(row.get('n_layers', 0))}", "tier": float(row["tier"]),
+        depth = f" L={int(row['n_layers'])}" if "n_layers" in row else ""
+        out.append({"model": model_label(row) + depth, "tier": float(row["tier"]),
                     "context": int(row["context"]), "width": int(row["width"]),
                     "by_lr": by_lr, "best_lr": best["lr"],
                     "common_seeds": sorted(int(s) for s in common),
@@ -397,14 +415,15 @@ def learning_rates(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def _dense_shapes(dense: pd.DataFrame) -> list[dict[str, Any]]:
-    """The dense shapes (width, depth, peak learning rate) among ``dense`` rows of
+    """The dense shapes (width, depth, optimiser and peak learning rate) among ``dense`` rows of
     one budget, each with its loss over seeds and ``_by_seed`` (mean loss per seed,
     a Series), which callers use for paired differences and drop before output."""
     shapes = []
-    for (width, depth, lr), h in dense.groupby(["width", "n_layers", "lr"], dropna=False):
+    for (width, depth, optimizer, lr), h in dense.groupby(
+            ["width", "n_layers", "optimizer", "lr"], dropna=False):
         shapes.append({
             "width": int(width), "n_layers": None if pd.isna(depth) else int(depth),
-            "lr": None if pd.isna(lr) else float(lr),
+            "optimizer": optimizer, "lr": None if pd.isna(lr) else float(lr),
             "params_active": float(h["params_active"].iloc[0])
             if "params_active" in h and pd.notna(h["params_active"].iloc[0]) else None,
             "seeds": sorted(int(x) for x in h["seed"]),
@@ -494,7 +513,11 @@ def equal_size(df: pd.DataFrame) -> list[dict[str, Any]]:
                            & (dense_all["tier"] == row["tier"])]
         if budget.empty:
             continue
-        # the pairing rule's learning rate: the routed run's own where dense has it
+        # the pairing rule's optimiser and learning rate: the routed run's own where dense
+        # has them
+        budget = budget[budget["optimizer"] == row["optimizer"]]
+        if budget.empty:
+            continue
         same_lr = budget[budget["lr"] == row["lr"]]
         shapes = _dense_shapes(same_lr if not same_lr.empty else budget)
         sizes = sorted({e["params_active"] for e in shapes})

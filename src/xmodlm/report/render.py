@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from xmodlm.report.analysis import HEADLINE_FAMILIES, config_label
+from xmodlm.report.analysis import DEFAULT_OPTIMIZER, HEADLINE_FAMILIES, config_label
 from xmodlm.report.isoflop import isoflop_markdown
 
 
@@ -193,6 +193,7 @@ def _dense_ladder_markdown(report: dict[str, Any]) -> list[str]:
             se = f" +- {e['se']:.4f}" if e["se"] is not None else ""
             versus = _diff_cell(e["minus_best"]) if "minus_best" in e else "best"
             lr = f"{e['lr']:g}" if e["lr"] is not None else "-"
+            lr += f" {e['optimizer']}" if e["optimizer"] != DEFAULT_OPTIMIZER else ""
             params = f"{e['params_active'] / 1e6:.2f}M" if e["params_active"] is not None else "-"
             depth = e["n_layers"] if e["n_layers"] is not None else "-"
             lines.append(f"| {d['context']} | {d['tier']:.2g} | {e['width']} | {depth} |"

@@ -45,14 +45,15 @@ def _config_row(run_dir: Path) -> dict[str, Any]:
             **record.config_row(cfg.model, flops.count(cfg.model)),
             "compute": cfg.train.compute or None, "seed": cfg.train.seed, "lr": cfg.train.lr,
             "warmup_steps": cfg.train.warmup_steps, "compile_setting": cfg.train.compile,
+            "optimizer": cfg.train.optimizer,
         }
     return {}
 
 
 def _recorded_before(run_dir: Path) -> dict[str, Any]:
-    """CPU kind and compile mode of a run whose summary predates them: the CPU's
-    model name from ``env.json`` (marked: its kind was not recorded) and the
-    compile mode its config resolves to on that machine."""
+    """CPU kind, compile mode and optimiser of a run whose summary predates them: the
+    CPU's model name from ``env.json`` (marked: its kind was not recorded), the
+    compile mode its config resolves to on that machine, and its config's optimiser."""
     out: dict[str, Any] = {}
     try:
         env = json.loads((run_dir / "env.json").read_text())
@@ -61,6 +62,8 @@ def _recorded_before(run_dir: Path) -> dict[str, Any]:
     if isinstance(env, dict) and env.get("cpu"):
         out["cpu_kind"] = env.get("cpu_kind") or f"{env['cpu']} (kind not recorded)"
     row = _config_row(run_dir)
+    if "optimizer" in row:
+        out["optimizer"] = row["optimizer"]
     if "compile_setting" in row:
         on_gpu = isinstance(env, dict) and bool(env.get("cuda"))
         out["compile"] = "on" if row["compile_setting"] == "on" or (
@@ -101,7 +104,7 @@ def _row(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
             or not all(isinstance(v, (int, float)) for v in numbers)):
         return None, "incomplete summary.json"
     row = record.row_from_summary(s, run_dir.name)
-    if row.get("cpu_kind") is None or row.get("compile") is None:
+    if any(row.get(k) is None for k in ("cpu_kind", "compile", "optimizer")):
         row.update({k: v for k, v in _recorded_before(run_dir).items() if row.get(k) is None})
     evaluated = run_dir / record.EVAL_FILE
     if evaluated.is_file():

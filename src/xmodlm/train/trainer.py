@@ -544,6 +544,7 @@ def _summary(
         "tokens": state.tokens,
         "flops": counts.flops_train * state.tokens,
         "seed": t.seed,
+        "optimizer": t.optimizer,
         "lr": t.lr,
         "warmup_steps": t.warmup(budget.total_steps),
         "batch_tokens": budget.tokens_per_step,
