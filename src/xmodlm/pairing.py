@@ -11,14 +11,19 @@ paired baseline) is routed-minus-partner. The rule lives here so that both agree
 * the same optimiser where the table records it (AdamW and Muon runs are other
   models, never each other's reference);
 * training compute within ``MATCH_TOLERANCE`` in ln C (the sweep gives both the
-  same budget; only whole optimiser steps separate them), the nearest one when
-  several qualify.
+  same budget; only whole optimiser steps separate them);
+* of those, one that ran on the same CPU kind, dtype and compile mode
+  (:data:`xmodlm.record.PAIRING_COLUMNS`) where there is one: a long study spans
+  machines, and its dense reference rerun on the new machine is the routed run's
+  partner there; then the nearest compute.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+
+from xmodlm.record import PAIRING_COLUMNS
 
 MATCH_TOLERANCE = 0.1  # |ln C_run - ln C_dense| for two runs of one budget
 NO_PARTNER = -1
@@ -38,6 +43,7 @@ def dense_partners(df: pd.DataFrame, dense: np.ndarray | pd.Series) -> np.ndarra
     ln_c = np.log(df["compute"].to_numpy(float))
     lr = pd.to_numeric(df["lr"], errors="coerce").to_numpy(float) if "lr" in df else None
     optimizer = df["optimizer"].to_numpy(object) if "optimizer" in df else None
+    machine = [df[c].astype(str).to_numpy(object) for c in PAIRING_COLUMNS if c in df]
     out = np.full(len(df), NO_PARTNER, dtype=int)
     for i in np.flatnonzero(~is_dense):
         same = is_dense & (context == context[i]) & (width == width[i]) & (seed == seed[i])
@@ -49,6 +55,11 @@ def dense_partners(df: pd.DataFrame, dense: np.ndarray | pd.Series) -> np.ndarra
         if not len(candidates):
             continue
         gap = np.abs(ln_c[candidates] - ln_c[i])
-        if gap.min() <= MATCH_TOLERANCE:
-            out[i] = candidates[int(gap.argmin())]
+        candidates, gap = candidates[gap <= MATCH_TOLERANCE], gap[gap <= MATCH_TOLERANCE]
+        if not len(candidates):
+            continue
+        other_machine = np.zeros(len(candidates), dtype=int)
+        for col in machine:
+            other_machine += col[candidates] != col[i]
+        out[i] = candidates[np.lexsort((gap, other_machine))[0]]
     return out
