@@ -174,6 +174,34 @@ def test_a_dense_reference_rerun_on_another_machine_is_its_partner_there() -> No
     assert not any(comparisons["mixed"])
 
 
+def test_losses_are_the_evaluated_ones_where_every_run_has_them(tmp_path: Path) -> None:
+    """The sweep's evaluation of each final checkpoint on the whole split replaces the
+    in-training validation loss (16x the tokens) when every run has it, in the report
+    and in the law's table alike; one run without it keeps the in-training losses
+    for all, never a mix of the two measurements."""
+    from xmodlm.law.table import validate
+
+    x = {"stride": 4, "capacity": 0.125, "gating": "variance_scaled", "balance_coef": 0.01,
+         "params_active": 1e6, "tokens": 1e7}
+    ev = {"eval_split": "test"}
+    rows = [
+        _row("dense", 128, 1e13, 5.0, val_loss_causal=5.0, eval_loss_topk=4.8,
+             eval_loss_causal=4.8, params_active=1e6, tokens=1e7, **ev),
+        _row("xmod", 128, 1e13, 5.1, val_loss_causal=5.2, eval_loss_topk=4.6,
+             eval_loss_causal=4.7, **x, **ev),
+    ]
+    rep = sweep_report_table(pd.DataFrame(rows), tmp_path)
+    assert rep["paired"][0]["mean"] == pytest.approx(4.7 - 4.8)
+    assert rep["loss_source"] == "test"
+    runs = validate(pd.DataFrame(rows))
+    assert list(runs.frame["val_loss"]) == pytest.approx([4.8, 4.7])
+    assert any("test split" in n for n in runs.notes)
+    rows[0]["eval_loss_causal"] = float("nan")
+    rep = sweep_report_table(pd.DataFrame(rows), tmp_path)
+    assert rep["paired"][0]["mean"] == pytest.approx(5.2 - 5.0) and rep["loss_source"] is None
+    assert list(validate(pd.DataFrame(rows)).frame["val_loss"]) == pytest.approx([5.0, 5.2])
+
+
 def test_budgets_are_tiered_per_context(tmp_path: Path) -> None:
     """FLOP-matching at T = 512 gives 2.8e13 where T = 128 gives 2.2e13: two budgets,
     not one tier labelled by whichever context has more runs."""

@@ -46,6 +46,35 @@ EVAL_FILE = "eval.json"  # in a run directory: ``xmod eval --json`` of its final
 COLUMNS = RUN_COLUMNS + EXTRA_COLUMNS + EVAL_COLUMNS
 
 
+def evaluated_losses(df: Any) -> tuple[Any, str | None]:
+    """The finished runs of a table with each loss taken from its final checkpoint's
+    evaluation on a whole held-out split, where every run has one, and that split's
+    name; else the table as given and None.
+
+    Why: the in-training validation loss reads ``data.val_batches`` batches (16k
+    tokens in the paper-cpu studies), the sweep's evaluation the whole split (262k):
+    the same model at the same step, measured with a sixteenth of the sampling noise.
+    ``val_loss`` / ``val_loss_causal`` become the evaluated top-k / causal losses, the
+    in-training ones kept as ``train_val_loss`` / ``train_val_loss_causal``. All or
+    nothing: a table mixing the two would compare losses of two measurements.
+    """
+    import pandas as pd
+
+    cols = ("eval_loss_topk", "eval_loss_causal", "eval_split")
+    if df.empty or not all(c in df.columns for c in cols):
+        return df, None
+    topk = pd.to_numeric(df["eval_loss_topk"], errors="coerce")
+    causal = pd.to_numeric(df["eval_loss_causal"], errors="coerce")
+    splits = set(df["eval_split"].astype(str))
+    if not (topk.gt(0).all() and causal.gt(0).all()) or len(splits) != 1:
+        return df, None
+    out = df.copy()
+    out["train_val_loss"] = out["val_loss"]
+    out["train_val_loss_causal"] = out["val_loss_causal"] if "val_loss_causal" in out else None
+    out["val_loss"], out["val_loss_causal"] = topk, causal
+    return out, splits.pop()
+
+
 def eval_columns(result: dict[str, Any]) -> dict[str, Any]:
     """Results-table columns from an ``xmod eval --json`` result."""
     row = {

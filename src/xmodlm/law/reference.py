@@ -160,7 +160,7 @@ def law_frame(df: pd.DataFrame, curves: pd.DataFrame | None = None, loss: str = 
     """The sparse runs of a results table as the paper's fit reads them (columns of
     :data:`xmodlm.law.paper_fit.COLUMNS` plus the reference), and a record of what
     was used and left out."""
-    runs = validate(df, loss=loss, min_steps=min_steps)
+    runs = validate(df, loss=loss, min_steps=min_steps, evaluated=curves is None)
     frame = runs.frame.reset_index(drop=True)
     if not frame["is_sparse"].any():
         raise UserError("the paper's law is fitted on sparse runs; the table has none")

@@ -113,9 +113,15 @@ def is_moe(df: pd.DataFrame) -> pd.Series:
 
 
 def validate(
-    df: pd.DataFrame, need_loss: bool = True, loss: str = "causal", min_steps: int = 0
+    df: pd.DataFrame, need_loss: bool = True, loss: str = "causal", min_steps: int = 0,
+    evaluated: bool = True,
 ) -> Runs:
     """Check a run table and fill defaults; ``need_loss=False`` for prediction inputs.
+
+    ``evaluated``: each loss is the final checkpoint's on the whole evaluation split
+    where every finished run has one (:func:`xmodlm.record.evaluated_losses`, with a
+    note); False keeps the in-training validation losses, as a fit against the dense
+    runs' validation curves must, since it reads those curves.
 
     ``loss``: ``causal`` (the default; falls back to top-k, with a note, when the
     table has no ``val_loss_causal``) or ``topk``. ``min_steps``: runs with fewer
@@ -139,6 +145,11 @@ def validate(
     used_loss = loss
     if need_loss:
         frame, dropped = finished_runs(frame)
+        split = None
+        if evaluated:
+            frame, split = record.evaluated_losses(frame)
+        if split:
+            notes.append(f"losses: each run's final checkpoint on the whole {split} split")
         frame, used_loss = _choose_loss(frame, loss, notes)
         frame, short = _long_enough(frame, min_steps)
     moe = is_moe(frame)

@@ -76,7 +76,9 @@ def finished_table(raw: pd.DataFrame, path: str | Path) -> tuple[pd.DataFrame, i
             " `xmod sweep` writes all of them"
         )
     df, left_out = finished_runs(raw)
-    df = df.reset_index(drop=True).copy()
+    df, split = record.evaluated_losses(df.reset_index(drop=True))
+    df = df.copy()
+    df.attrs["loss_source"] = split  # None: the in-training validation losses
     if "compute" not in df.columns:
         df["compute"] = df["flops_per_token"] * df["tokens"]
     for col in ("width", "context", "val_loss", "compute"):

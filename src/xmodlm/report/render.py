@@ -37,6 +37,9 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
         f"{runs['finished']} finished runs ({fams}); {runs['left_out']} left out as not finished.",
         f"Compute tiers {', '.join(f'{t:.2g}' for t in report['tiers'])};"
         f" widths {report['widths']}; contexts {report['contexts']}; seeds {report['seeds']}.",
+        "Losses: " + (f"each final checkpoint on the whole `{report['loss_source']}` split."
+                      if report.get("loss_source") else
+                      "each run's last in-training validation evaluation."),
         *_headline_markdown(report.get("headline") or []),
         *_vs_dense_markdown(report, comparisons),
         *_over_seeds_markdown(report),

@@ -256,6 +256,7 @@ def sweep_report(
             "left_out": left_out,
             "by_family": {k: int(v) for k, v in df["family"].value_counts().sort_index().items()},
         },
+        "loss_source": every.attrs.get("loss_source"),
         "tiers": sorted(float(t) for t in df["tier"].unique()),
         "widths": sorted(int(w) for w in df["width"].unique()),
         "contexts": sorted(int(c) for c in df["context"].unique()),
