@@ -62,7 +62,7 @@ def _vs_dense_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> lis
         "",
         "## Against the FLOP-matched dense model",
         "",
-        "Difference in causal-routing validation loss (nats), run minus its dense reference"
+        "Difference in causal-routing held-out loss (nats), run minus its dense reference"
         " of the same context, width, seed and budget; positive means the dense model is"
         " better.",
         "",
@@ -155,7 +155,7 @@ def _learning_rates_markdown(rows: list[dict[str, Any]]) -> list[str]:
     lines: list[str] = []
     if rows:
         lines += ["", "## Peak learning rate", "",
-                  "Models tried at two or more peak learning rates. Causal validation loss"
+                  "Models tried at two or more peak learning rates. Causal held-out loss"
                   " on the seeds every rate has (the best in bold: seed noise is as large as"
                   " the rates' effect, so rates are compared on shared seeds), then the mean"
                   " +- standard error over all seeds of each rate.", ""]
@@ -235,7 +235,7 @@ def _causal_gap_markdown(gap: dict[str, Any] | None) -> list[str]:
             "",
             "## Causal routing at inference",
             "",
-            f"Causal minus top-k validation loss over {gap['n']} routed runs: median"
+            f"Causal minus top-k held-out loss over {gap['n']} routed runs: median"
             f" {_fmt(gap['median'])} (range {_fmt(gap['min'])} to {_fmt(gap['max'])}).",
         ]
     return lines
