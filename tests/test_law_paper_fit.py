@@ -145,6 +145,32 @@ def test_law_frame_counts_and_references() -> None:
     assert np.allclose(merged["delta"], merged["delta_syn"])
 
 
+def test_law_frame_fits_x_mod_with_all_its_mechanisms() -> None:
+    """A study's table holds its ablations and MoD beside X-MoD: Eq. 14 is fitted on
+    X-MoD alone, and the record names what was left out by variant."""
+    table = paper_synthetic.results_table(seed=1)
+    sparse = table[table["layout"].str.contains("s")]
+    ablated = sparse.head(4).assign(balance="none", run_id=lambda d: d["run_id"] + "-nobias",
+                                    val_loss=9.0, val_loss_causal=9.0)
+    mod = sparse.head(2).assign(family="mod", run_id=lambda d: d["run_id"] + "-mod")
+    frame, record = reference.law_frame(pd.concat([table, ablated, mod], ignore_index=True))
+    assert len(frame) == len(sparse) and (frame["val_loss"] < 9).all()
+    assert record["variant"] == "xmod"
+    assert record["excluded_variants"] == {"xmod[balance=none]": 4, "mod": 2}
+
+
+def test_scales_are_backbones_not_exact_counts() -> None:
+    """Routers add a little to a sparse model's N_act: runs within 2% are one scale, so
+    leave-scale-out holds out a backbone, and one backbone has nothing to hold out."""
+    n_act = np.array([918_600.0, 921_700.0, 919_000.0, 5.4e8, 5.43e8, 9.1e8])
+    assert list(paper_fit.scales(n_act)) == [918_600.0] * 3 + [5.4e8] * 2 + [9.1e8]
+    one = paper_synthetic.table(seed=0)
+    one = one[one["label"] == 556e6].copy()
+    one["params_active"] *= 1 + 0.003 * (one["sparsity"] % 3)  # router-sized spread
+    out = paper_fit.heldout(one, "leave-scale-out")
+    assert "not_applicable" in out
+
+
 def test_cli_fit_paper_then_recommend(tmp_path, capsys) -> None:
     table = tmp_path / "results.csv"
     paper_synthetic.results_table().to_csv(table, index=False)

@@ -181,7 +181,8 @@ def _fit_paper(args: argparse.Namespace) -> int:
         raise UserError(f"--n-boot {n_boot}: must be >= 0")
     curves = read_curves(args.curves) if args.curves else None
     frame, record = law_frame(read_table(args.results), curves, loss=args.loss,
-                              min_steps=args.min_steps, seed=args.seed)
+                              min_steps=args.min_steps, seed=args.seed, family=args.family,
+                              lr=args.lr)
     protocols = PAPER_PROTOCOLS
     if args.holdout:
         protocols = () if args.holdout == "none" else tuple(args.holdout.split(","))

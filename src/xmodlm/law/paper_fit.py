@@ -178,11 +178,26 @@ def scores(observed: np.ndarray, predicted: np.ndarray, baseline: np.ndarray) ->
             "beats_baseline": bool(law["rmse"] < const["rmse"])}
 
 
+def scales(n_act: np.ndarray) -> np.ndarray:
+    """Each run's scale: the smallest N_act of its backbone, runs within
+    :data:`xmodlm.law.reference.SIZE_RTOL` of one another being one backbone (a sparse
+    model's routers add a little to its N_act; a held-out scale is a backbone)."""
+    from xmodlm.law.reference import SIZE_RTOL
+
+    out = np.empty(len(n_act))
+    start = -np.inf
+    for i in np.argsort(n_act, kind="stable"):
+        if n_act[i] > start * (1 + SIZE_RTOL):
+            start = n_act[i]
+        out[i] = start
+    return out
+
+
 def _groups(frame: pd.DataFrame, protocol: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(rows that take part, the group label of each row, the key a held-out row must
     share with some training row to be scored) of a protocol."""
     a1 = frame["anchor_stride"].to_numpy(float) == 1
-    n_act, ctx = frame["params_active"].to_numpy(float), frame["context"].to_numpy(float)
+    n_act, ctx = scales(frame["params_active"].to_numpy(float)), frame["context"].to_numpy(float)
     if protocol == "leave-context-out":
         return a1, ctx, n_act
     if protocol == "leave-scale-out":

@@ -41,6 +41,7 @@ import pandas as pd
 from xmodlm import depth
 from xmodlm.errors import UserError
 from xmodlm.law import dense
+from xmodlm.law.select import one_lr, one_variant
 from xmodlm.law.table import validate
 
 SIZE_RTOL = 0.02  # "the same N_act": within 2% (routers add a little to a sparse run's count)
@@ -155,15 +156,22 @@ def _dense_laws(frame: pd.DataFrame, seed: int) -> dict[int, np.ndarray]:
 
 
 def law_frame(df: pd.DataFrame, curves: pd.DataFrame | None = None, loss: str = "causal",
-              min_steps: int = 0, use_law: bool = True, seed: int = 0
-              ) -> tuple[pd.DataFrame, dict[str, Any]]:
+              min_steps: int = 0, use_law: bool = True, seed: int = 0, family: str = "xmod",
+              lr: float | None = None) -> tuple[pd.DataFrame, dict[str, Any]]:
     """The sparse runs of a results table as the paper's fit reads them (columns of
     :data:`xmodlm.law.paper_fit.COLUMNS` plus the reference), and a record of what
-    was used and left out."""
+    was used and left out.
+
+    One variant is fitted (``family``, :func:`xmodlm.law.select.one_variant`): a
+    study's ablations and baselines share its table, and Eq. 14 describes X-MoD with
+    all of its mechanisms. One peak learning rate: ``lr``, else the table's most common."""
     runs = validate(df, loss=loss, min_steps=min_steps, evaluated=curves is None)
     frame = runs.frame.reset_index(drop=True)
     if not frame["is_sparse"].any():
         raise UserError("the paper's law is fitted on sparse runs; the table has none")
+    frame, lr, other_lr = one_lr(frame, lr)
+    frame, variant, excluded = one_variant(frame, family)
+    frame = frame.reset_index(drop=True)
     ref = references(frame, curves, use_law, seed)
     frame = pd.concat([frame, ref], axis=1)
     sparse = frame[frame["is_sparse"]].copy()
@@ -199,6 +207,8 @@ def law_frame(df: pd.DataFrame, curves: pd.DataFrame | None = None, loss: str = 
     usable = out[out["reference"] != "none"].reset_index(drop=True)
     record = {"counts": counts, "references": {str(k): int(v) for k, v in kinds.items()},
               "left_out_no_reference": int(kinds.get("none", 0)), "loss": runs.loss,
+              "variant": variant, "excluded_variants": excluded, "lr": lr,
+              "left_out_other_lr": other_lr,
               "notes": notes,
               "runs": usable[["run_id", "reference", "reference_runs"]].to_dict(orient="records")}
     return usable, record
