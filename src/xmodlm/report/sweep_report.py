@@ -62,8 +62,6 @@ from xmodlm.report.analysis import (
     against_dense,
     causal_gap,
     config_label,
-    dense_ladder,
-    equal_size,
     finished_table,
     headline,
     learning_rates,
@@ -72,6 +70,7 @@ from xmodlm.report.analysis import (
 )
 from xmodlm.report.isoflop import isoflop
 from xmodlm.report.isoflop_plots import plot_isoflop
+from xmodlm.report.ladder import dense_ladder, equal_size
 from xmodlm.report.render import render_markdown
 
 if TYPE_CHECKING:
