@@ -197,7 +197,7 @@ def validate(
     frame["tier"] = np.round(4 * np.log10(frame["compute"])) / 4
     if "family" not in frame:
         frame["family"] = np.where(frame["is_sparse"], "xmod", "dense")
-    frame["variant"] = _variants(frame)
+    frame["variant"] = variants(frame)
     keys = [c for c in ("variant", "width", "n_layers", "params_active", "tokens", "context",
                         "stride", "capacity") if c in frame]
     frame["config"] = frame.groupby(keys, sort=True, dropna=False).ngroup()
@@ -260,8 +260,13 @@ def _long_enough(frame: pd.DataFrame, min_steps: int) -> tuple[pd.DataFrame, int
     return frame[keep], int((~keep).sum())
 
 
-def _variants(frame: pd.DataFrame) -> pd.Series:
-    """Family plus every mechanism setting that differs from the family's usual one."""
+def variants(frame: pd.DataFrame) -> pd.Series:
+    """Family plus every mechanism setting that differs from the family's usual one.
+
+    The one naming of ablation variants: the law fits each apart, and the report's
+    claims (:mod:`xmodlm.report.claims`) find the paper's ablations by these labels.
+    ``frame`` needs ``family``, ``is_sparse`` and ``stride``; ``gating``, ``balance``,
+    ``balance_coef`` and ``layout`` are read where present."""
     labels = []
     for _, row in frame.iterrows():
         family = str(row["family"]).strip().lower()

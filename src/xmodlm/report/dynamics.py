@@ -22,7 +22,9 @@ gate trains stably or keeps the residual stream in check. Per run, from its
   (:func:`init_residual_rms`, with the code checked out now);
 * **routing at the end**: coverage, per-token sparse-depth histogram and the
   Jaccard overlap of consecutive sparse blocks, from the last evaluation
-  (routed runs only).
+  (routed runs only);
+* **step time**: the median seconds per logged optimiser step
+  (:func:`median_step_time`).
 
 Only logged steps are seen (every ``train.log_every``-th step, and every
 non-finite one), so counts and peaks are of those. The summarising functions
@@ -176,6 +178,15 @@ def grad_norm_peaks(rows: Sequence[dict[str, Any]], warmup: int) -> tuple[float 
     return max(norms), float(np.percentile(norms, 99))
 
 
+def median_step_time(rows: Sequence[dict[str, Any]]) -> float | None:
+    """Median seconds per optimiser step over the logged training steps (``step_s``),
+    None without any. The median, because the first logged steps carry start-up
+    costs and a machine shared with other runs slows some steps and not others."""
+    times = [float(r["step_s"]) for r in rows if "step_s" in r]
+    times = [t for t in times if math.isfinite(t) and t > 0]
+    return float(np.median(times)) if times else None
+
+
 def sparse_depth_sd(depth_hist: Sequence[float]) -> float:
     """Standard deviation of the number of sparse blocks a token passes through,
     from the histogram (bin i: the fraction of tokens processed by i sparse blocks).
@@ -280,6 +291,7 @@ def run_dynamics(
         "residual_rms_init": None,
         "residual_rms_end": end.get("residual_rms"),
         "init_tokens": None,
+        "step_s": median_step_time(rows),
     }
     for key in ("coverage", "depth_hist", "jaccard"):
         out[key] = end.get(key)

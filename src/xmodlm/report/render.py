@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from xmodlm.report.analysis import DEFAULT_OPTIMIZER, HEADLINE_FAMILIES, config_label
+from xmodlm.report.claims_render import claims_markdown
 from xmodlm.report.isoflop import isoflop_markdown
 
 
@@ -41,6 +42,7 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
                       if report.get("loss_source") else
                       "each run's last in-training validation evaluation."),
         *_headline_markdown(report.get("headline") or []),
+        *claims_markdown(report.get("claims")),
         *_vs_dense_markdown(report, comparisons),
         *_over_seeds_markdown(report),
         *_learning_rates_markdown(report["learning_rates"]),

@@ -31,7 +31,12 @@ the questions a reader asks first, in this order:
    (:mod:`xmodlm.report.dynamics`); ``residual_rms.png`` draws the residual RMS and
    ``depth_hist.png`` the sparse depth per token.
    A run without ``metrics.jsonl`` is skipped and counted.
-6. Optionally, the law: selected delta form, its parameters with 95% intervals,
+6. The paper's claims, where the table holds runs of the paper's construction
+   (:mod:`xmodlm.report.claims`): the U in K, the growth of the best K with the
+   context, the best X-MoD against dense, the ablations, X-MoD against MoE, and
+   from the run records routing with and without the bias and step times;
+   ``claims_k.png`` draws the loss against K.
+7. Optionally, the law: selected delta form, its parameters with 95% intervals,
    held-out metrics, and the law's plots.
 
 Outputs ``report.md``, ``comparisons.csv`` (one row per matched non-dense run)
@@ -131,14 +136,15 @@ def law_terms(
 def dynamics(
     df: pd.DataFrame, results: str | Path, out_dir: str | Path,
     comparisons: pd.DataFrame | None = None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The training-dynamics section: each finished run's record read from the
     sweep directory of ``results`` (``runs/RUN_ID/``, or ``RUN_ID/`` beside the
     table), grouped as the paired comparison groups (plus the depth, since per-block
     figures only average over one), dense included as the reference; and
     ``residual_rms.png`` in ``out_dir``. Runs without a record are counted.
     ``comparisons`` (:func:`match_to_dense`) names each routed run's dense run, for
-    the spikes counted against it."""
+    the spikes counted against it. Returns the section and each run's record by run
+    id (:func:`~xmodlm.report.dynamics.run_dynamics`), which the claims read too."""
     from xmodlm.report.dynamics import (
         PAIRED_SPIKE_THRESHOLD,
         SPIKE_THRESHOLD,
@@ -175,7 +181,7 @@ def dynamics(
         "runs": len(found), "skipped_no_metrics": skipped, "configs": [], "plot": None,
     }
     if not found:
-        return section
+        return section, {}
     by_row = dict(found)
     runs = df.loc[list(by_row)]
     for key, g in runs.groupby(keys, dropna=False, sort=True):
@@ -195,6 +201,22 @@ def dynamics(
     section["plot"] = plot.name if plot is not None else None
     depth = plot_depth_hist(groups, Path(out_dir) / "depth_hist.png")
     section["depth_plot"] = depth.name if depth is not None else None
+    return section, {d["run_id"]: d for _, d in found}
+
+
+def paper_claims(
+    df: pd.DataFrame, runs: dict[str, dict[str, Any]], out_dir: Path
+) -> dict[str, Any] | None:
+    """The paper's claims (:func:`xmodlm.report.claims.claims`) with ``claims_k.png``,
+    the loss against K, in ``out_dir``; None for a table not of the paper's
+    construction."""
+    from xmodlm.report.claims import claims
+    from xmodlm.report.claims_plots import plot_loss_by_k
+
+    section = claims(df, runs)
+    if section is not None:
+        plot = plot_loss_by_k(section["u_shape"], out_dir / "claims_k.png")
+        section["plot"] = plot.name if plot is not None else None
     return section
 
 
@@ -277,6 +299,7 @@ def sweep_report(
         "dynamics": None,
         "law": None,
         "headline": [],
+        "claims": None,
         "mechanisms": [],
         "tasks": [],
     }
@@ -287,7 +310,8 @@ def sweep_report(
     out.mkdir(parents=True, exist_ok=True)
     plot = plot_isoflop(report["isoflop"], out / "isoflop.png", config_label)
     report["isoflop_plot"] = plot.name if plot is not None else None
-    report["dynamics"] = dynamics(df, results, out, comparisons)
+    report["dynamics"], run_records = dynamics(df, results, out, comparisons)
+    report["claims"] = paper_claims(df, run_records, out)
     bar.update(1, done="training dynamics read from the run records")
     fit = None
     if law is not None:
