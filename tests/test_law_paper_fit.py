@@ -222,3 +222,36 @@ def test_reference_falls_back_to_the_dense_law() -> None:
     assert ref.loc[12, "reference"] == "dense law"
     expected = 1.8 + 40 / 2e6**0.3 + 80 / (5e16 / 12e6) ** 0.25
     assert ref.loc[12, "reference_loss"] == pytest.approx(expected, rel=0.01)
+
+
+def test_predict_paper_rows_with_bootstrap_intervals(tmp_path, capsys) -> None:
+    """``xmod law predict`` with a fit of the paper's form: each sparse row's Delta by
+    Eq. 14 on the fit's counts (the same as :func:`reference.law_frame` gives the
+    fitted runs), the 2.5-97.5 percentile over the draws, and what lies outside the
+    fitted ranges; a registered prediction is reproducible from these two files."""
+    from xmodlm.law.paper_predict import predict_paper
+
+    rows = paper_synthetic.results_table(seed=1)
+    frame, _ = reference.law_frame(rows)
+    law = paper.table8()
+    bare = predict_paper(law, rows)
+    assert len(bare) == len(frame) and bare["delta_lo"].isna().all()
+    merged = bare.merge(frame, on=["params_active", "params_total", "context", "sparsity",
+                                   "anchor_stride"], suffixes=("", "_fitted"))
+    assert len(merged) == len(frame)
+    assert np.allclose(merged["delta"], paper.delta(paper_fit.point_of(merged), paper.TABLE8))
+    rng = np.random.default_rng(0)
+    base = np.array([paper.TABLE8[k] for k in paper.NAMES])
+    law.samples = base * rng.lognormal(0.0, 0.05, size=(200, len(base)))
+    out = predict_paper(law, rows)
+    assert (out["delta_lo"] < out["delta"]).all() and (out["delta"] < out["delta_hi"]).all()
+    assert out["outside"].str.contains("context 6.554e+04 outside", regex=False).sum() == (
+        frame["context"] == 65536).sum() > 0
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps(law.to_json()))
+    table = tmp_path / "rows.csv"
+    rows.to_csv(table, index=False)
+    assert main(["law", "predict", str(fit), "--input", str(table), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["predicts"] == "delta"
+    assert [p["delta"] for p in got["predictions"]] == pytest.approx(list(out["delta"]))

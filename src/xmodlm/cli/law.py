@@ -214,6 +214,9 @@ def cmd_law_predict(args: argparse.Namespace) -> int:
     from xmodlm.law.predict import predict, predicts_losses
     from xmodlm.law.table import is_moe, read_table
 
+    paper_law = _paper_law(args.fit)
+    if paper_law is not None:
+        return _predict_paper(args, paper_law)
     fit = load_fit(args.fit)
     table = read_table(args.input)
     moe = is_moe(table)
@@ -267,6 +270,23 @@ def recommend_args(sub: argparse._SubParsersAction) -> None:
                    help="paper law: list only the best TOP candidates (all are ranked)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_recommend)
+
+
+def _predict_paper(args: argparse.Namespace, law: Any) -> int:
+    """``xmod law predict`` with a fit of the paper's form: Delta per row."""
+    from xmodlm.law.paper_predict import predict_paper
+    from xmodlm.law.table import read_table
+
+    out = predict_paper(law, read_table(args.input))
+    why = ("Delta = loss(X-MoD) - loss(dense of the same N_act and L at the same FLOPs),"
+           " with the 2.5-97.5 percentile of the fit's bootstrap draws")
+    if args.json:
+        print_json({"predicts": "delta", "law": law.name, "interval": why,
+                    "predictions": out.to_dict(orient="records")})
+    else:
+        print(f"predicted by {law.name}: {why}")
+        print(out.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    return 0
 
 
 def _paper_law(name: str | None) -> Any:

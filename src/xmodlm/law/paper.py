@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import minimize_scalar
 
+SIZE_RTOL = 0.02  # "the same N_act": within 2% (routers add a little to a sparse model's count)
 NAMES = ("e", "u", "eta_n", "rho_n", "w", "eta_l", "rho_l", "z", "rho_k", "rho_a")
 LINEAR = ("e", "u", "w", "z")  # solved by least squares given the exponents (u, w, z >= 0)
 EXPONENTS = ("eta_n", "rho_n", "eta_l", "rho_l", "rho_k", "rho_a")
@@ -173,13 +174,15 @@ class PaperLaw:
 
     def outside(self, point: dict[str, float]) -> list[str]:
         """Each input of ``point`` (keys of :data:`TABLE8_RANGE`) outside the fitted
-        ranges, as "sparsity 24 outside [3, 16]"."""
+        ranges, as "sparsity 24 outside [3, 16]". N_act within :data:`SIZE_RTOL` of the
+        range is inside it: that is one backbone."""
         out = []
         for key, span in self.ranges.items():
             v = point.get(key)
             if v is None or span is None:
                 continue
-            if not span[0] * (1 - 1e-9) <= v <= span[1] * (1 + 1e-9):
+            tol = SIZE_RTOL if key == "params_active" else 1e-9
+            if not span[0] * (1 - tol) <= v <= span[1] * (1 + tol):
                 out.append(f"{key} {v:.4g} outside [{span[0]:.4g}, {span[1]:.4g}]")
         return out
 

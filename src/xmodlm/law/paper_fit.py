@@ -180,14 +180,12 @@ def scores(observed: np.ndarray, predicted: np.ndarray, baseline: np.ndarray) ->
 
 def scales(n_act: np.ndarray) -> np.ndarray:
     """Each run's scale: the smallest N_act of its backbone, runs within
-    :data:`xmodlm.law.reference.SIZE_RTOL` of one another being one backbone (a sparse
+    :data:`xmodlm.law.paper.SIZE_RTOL` of one another being one backbone (a sparse
     model's routers add a little to its N_act; a held-out scale is a backbone)."""
-    from xmodlm.law.reference import SIZE_RTOL
-
     out = np.empty(len(n_act))
     start = -np.inf
     for i in np.argsort(n_act, kind="stable"):
-        if n_act[i] > start * (1 + SIZE_RTOL):
+        if n_act[i] > start * (1 + paper.SIZE_RTOL):
             start = n_act[i]
         out[i] = start
     return out

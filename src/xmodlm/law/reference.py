@@ -40,11 +40,11 @@ import pandas as pd
 
 from xmodlm import depth
 from xmodlm.errors import UserError
-from xmodlm.law import dense
+from xmodlm.law import dense, paper
 from xmodlm.law.select import one_lr, one_variant
 from xmodlm.law.table import validate
 
-SIZE_RTOL = 0.02  # "the same N_act": within 2% (routers add a little to a sparse run's count)
+SIZE_RTOL = paper.SIZE_RTOL
 STEP_RTOL = 0.01  # a run stops at the last whole step inside its budget
 
 
@@ -155,6 +155,35 @@ def _dense_laws(frame: pd.DataFrame, seed: int) -> dict[int, np.ndarray]:
     return out
 
 
+def eq14_inputs(frame: pd.DataFrame) -> tuple[dict[str, pd.Series], str, str | None]:
+    """What Eq. 14 reads of validated rows (:func:`xmodlm.law.table.validate`): N_act,
+    N, L, K and A as columns (``params_active``, ``params_total``, ``context``,
+    ``sparsity``, ``anchor_stride``), the counting rule in words, and a note where the
+    rule had to fall back. One rule for the fit and for predictions (module docstring)."""
+    note = None
+    if "params_non_embedding" in frame and frame["params_non_embedding"].notna().all():
+        embed = frame["params_total"].astype(float) - frame["params_non_embedding"].astype(float)
+        n_total = frame["params_total"].astype(float)
+        n_act = frame["params_active"].astype(float) + embed
+        counts = "N = params_total, N_act = params_active + embeddings"
+    else:
+        n_act = frame["params_active"].astype(float)
+        n_total = n_act * frame["rho"]
+        counts = "N_act = params_active, N = N_act x blocks / active depth (Eqs. 4-5)"
+        note = "no params_non_embedding column: N and N_act without embeddings (Eqs. 4-5)"
+    if "sparsity" in frame and frame["sparsity"].notna().all():
+        k = frame["sparsity"].astype(float)
+        a = frame["anchor_stride"].astype(float)
+    else:
+        ka = [depth.from_stride_capacity(int(s), float(c))
+              for s, c in zip(frame["stride"], frame["capacity"], strict=True)]
+        k, a = pd.Series([v[0] for v in ka], index=frame.index), pd.Series(
+            [v[1] for v in ka], index=frame.index)
+    return ({"params_active": n_act, "params_total": n_total,
+             "context": frame["context"].astype(float), "sparsity": k, "anchor_stride": a},
+            counts, note)
+
+
 def law_frame(df: pd.DataFrame, curves: pd.DataFrame | None = None, loss: str = "causal",
               min_steps: int = 0, use_law: bool = True, seed: int = 0, family: str = "xmod",
               lr: float | None = None) -> tuple[pd.DataFrame, dict[str, Any]]:
@@ -176,28 +205,11 @@ def law_frame(df: pd.DataFrame, curves: pd.DataFrame | None = None, loss: str = 
     frame = pd.concat([frame, ref], axis=1)
     sparse = frame[frame["is_sparse"]].copy()
     notes = list(runs.notes)
-    if "params_non_embedding" in sparse and sparse["params_non_embedding"].notna().all():
-        embed = sparse["params_total"].astype(float) - sparse["params_non_embedding"].astype(float)
-        sparse["law_params_total"] = sparse["params_total"].astype(float)
-        sparse["law_params_active"] = sparse["params_active"].astype(float) + embed
-        counts = "N = params_total, N_act = params_active + embeddings"
-    else:
-        sparse["law_params_active"] = sparse["params_active"].astype(float)
-        sparse["law_params_total"] = sparse["params_active"].astype(float) * sparse["rho"]
-        counts = "N_act = params_active, N = N_act x blocks / active depth (Eqs. 4-5)"
-        notes.append("no params_non_embedding column: N and N_act without embeddings (Eqs. 4-5)")
-    if "sparsity" in sparse and sparse["sparsity"].notna().all():
-        k = sparse["sparsity"].astype(float)
-        a = sparse["anchor_stride"].astype(float)
-    else:
-        ka = [depth.from_stride_capacity(int(s), float(c))
-              for s, c in zip(sparse["stride"], sparse["capacity"], strict=True)]
-        k, a = pd.Series([v[0] for v in ka], index=sparse.index), pd.Series(
-            [v[1] for v in ka], index=sparse.index)
+    eq14, counts, note = eq14_inputs(sparse)
+    notes += [note] if note else []
     out = pd.DataFrame({
         "run_id": sparse.get("run_id", pd.Series(sparse.index.astype(str), index=sparse.index)),
-        "params_active": sparse["law_params_active"], "params_total": sparse["law_params_total"],
-        "context": sparse["context"].astype(float), "sparsity": k, "anchor_stride": a,
+        **eq14,
         "dense_prefix": sparse.get("dense_prefix", 0),
         "val_loss": sparse["val_loss"], "reference_loss": sparse["reference_loss"],
         "reference": sparse["reference"], "reference_runs": sparse["reference_runs"],

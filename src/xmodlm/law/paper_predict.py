@@ -1,0 +1,46 @@
+"""Predictions of a fitted Eq. 14 for the rows of a table: Delta with its bootstrap
+interval, and what each row asks beyond the fitted range.
+
+A registered prediction (a study's out-of-range context, say) must be reproducible
+from the committed fit and the committed rows alone, so it reads the same counts
+as the fit (:func:`xmodlm.law.reference.eq14_inputs`) and the fit's own bootstrap
+draws: the interval is the 2.5-97.5 percentile of Delta over the draws, which
+carries the parameters' uncertainty (refits on resampled configurations), not the
+scatter of one run about the law.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from xmodlm.errors import UserError
+from xmodlm.law import paper
+from xmodlm.law.reference import eq14_inputs
+from xmodlm.law.table import validate
+
+INTERVAL = (2.5, 97.5)  # percentiles of the bootstrap draws
+
+
+def predict_paper(law: paper.PaperLaw, rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per sparse input row: its (K, A, L, N_act, N), the predicted Delta
+    (X-MoD minus dense of the same N_act and L at the same FLOPs), the interval
+    (NaN without draws) and the inputs outside the fitted ranges."""
+    frame = validate(rows, need_loss=False).frame
+    sparse = frame[frame["is_sparse"]]
+    if sparse.empty:
+        raise UserError("the paper's law predicts sparse models; the input has no sparse row")
+    cols, _, _ = eq14_inputs(sparse)
+    x = paper.Point.of(*(cols[c].to_numpy(float) for c in (
+        "params_active", "params_total", "context", "sparsity", "anchor_stride")))
+    out = pd.DataFrame({c: v.to_numpy(float) for c, v in cols.items()})
+    out["delta"] = paper.delta(x, law.value)
+    draws = law.draws()
+    if draws:
+        boot = np.stack([paper.delta(x, p) for p in draws])
+        out["delta_lo"], out["delta_hi"] = np.percentile(boot, INTERVAL, axis=0)
+    else:
+        out["delta_lo"] = out["delta_hi"] = np.nan
+    out["outside"] = ["; ".join(law.outside(r)) for r in out[list(paper.TABLE8_RANGE)].to_dict(
+        orient="records")]
+    return out
