@@ -139,3 +139,29 @@ def test_paper_law_json_round_trip(tmp_path) -> None:
     assert back.value == law.value and back.ranges == law.ranges
     assert main(["recommend", "--law", str(path), "--compute", "1e20", "--context", "8192",
                  "--active-params", "556e6", "--json"]) == 0
+
+
+def test_recommend_on_a_preset_backbone(capsys) -> None:
+    """``--backbone cpu-d64``: the candidates are that preset's models (its width, GQA
+    heads, FFN, vocabulary, 8 active layers), N_act its dense total; the paper's shape
+    of that size would be another model. Exactly one of --active-params and --backbone."""
+    from xmodlm.config import load_config
+    from xmodlm.law.backbone import backbone_of
+    from xmodlm.law.paper_recommend import recommend_paper
+
+    cfg = load_config("cpu-d64", ["model.vocab_size=4096"]).model
+    b = backbone_of(cfg)
+    assert (b.d_model, b.head_dim, b.ffn_dim, b.n_heads, b.n_kv_heads, b.active_layers) == (
+        64, 16, 192, 4, 2, 8)
+    out = recommend_paper(1e14, 4096, 0.0, backbone=b, dense_prefixes=(2,))
+    assert out["inputs"]["active_params"] == b.dense_total == b.label
+    a1k8 = next(e for e in out["candidates"] if e["sparsity"] == 8 and e["anchor_stride"] == 1)
+    xmod = load_config("cpu-d64", ["model.vocab_size=4096", "model.sparsity=8",
+                                   "model.anchor_stride=1"]).model
+    assert a1k8["blocks"] == len(xmod.depth.layout) == 29
+    assert main(["recommend", "--law", "paper", "--compute", "1e14", "--context", "4096",
+                 "--backbone", "cpu-d64", "--dense-prefix", "2"]) == 0
+    assert "train" in capsys.readouterr().out
+    assert main(["recommend", "--law", "paper", "--compute", "1e14", "--context", "4096",
+                 "--backbone", "cpu-d64", "--active-params", "5e8"]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -247,7 +247,11 @@ def recommend_args(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("recommend", help="which routing configuration to train, by the law")
     p.add_argument("--compute", type=finite, required=True, help="training FLOPs C")
     p.add_argument("--context", type=count_int, required=True, help="context length T")
-    p.add_argument("--active-params", type=finite, required=True, help="N_ae of the backbone")
+    p.add_argument("--active-params", type=finite, default=None,
+                   help="N_ae of the backbone (paper law: N_act; not with --backbone)")
+    p.add_argument("--backbone", default=None, metavar="PRESET",
+                   help="paper law: build the candidates on this preset's (or YAML's) backbone,"
+                   " its dense total as N_act and its active depth, with --vocab-size")
     p.add_argument("--max-total-params", type=finite, default=None,
                    help="largest total parameter count a candidate may have")
     p.add_argument("--vocab-size", type=int, default=4096,
@@ -311,11 +315,14 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     from xmodlm.law.recommend import recommend
 
     law = _paper_law(args.law)
+    if (args.active_params is None) == (law is None or args.backbone is None):
+        raise UserError("give --active-params, or with the paper law --backbone PRESET instead"
+                        " (its dense total is N_act), not both")
     if law is not None:
         return _recommend_paper(args, law)
-    if args.extrapolate or args.dense_prefix or args.top:
-        raise UserError("--extrapolate, --dense-prefix and --top apply to the paper law"
-                        " (--law paper): the ln-ratio law ranks (S, c) FLOP-matched models")
+    if args.extrapolate or args.dense_prefix or args.top or args.backbone:
+        raise UserError("--extrapolate, --dense-prefix, --top and --backbone apply to the paper"
+                        " law (--law paper): the ln-ratio law ranks (S, c) FLOP-matched models")
     result = recommend(
         args.compute, args.context, args.active_params,
         law=load_fit(args.law) if args.law else None,
@@ -341,11 +348,18 @@ def _recommend_paper(args: argparse.Namespace, law: Any) -> int:
         from xmodlm.errors import UserError
 
         raise UserError("the paper's law predicts the causal-routing loss only (--loss causal)")
+    backbone = None
+    if args.backbone is not None:
+        from xmodlm.config import load_config
+        from xmodlm.law.backbone import backbone_of
+
+        backbone = backbone_of(load_config(args.backbone,
+                                           [f"model.vocab_size={args.vocab_size}"]).model)
     result = recommend_paper(
-        args.compute, args.context, args.active_params, law=law,
+        args.compute, args.context, args.active_params or 0.0, law=law,
         max_total_params=args.max_total_params, extrapolate=args.extrapolate,
         dense_prefixes=args.dense_prefix or (4,), active_layers=args.active_layers,
-        top=args.top,
+        top=args.top, backbone=backbone,
     )
     if args.json:
         print_json(result)

@@ -25,6 +25,7 @@ paper's Table 1 come out at 2.64B / 4.79B (556M), 4.52B / 8.24B (936M), and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -111,6 +112,19 @@ def backbone_for(active_params: float, active_layers: int = ACTIVE_LAYERS) -> Ba
     width = min(range(128, 32768 + 1, 128),
                 key=lambda d: abs(math.log(shaped(d).dense_total) - target))
     return shaped(width)
+
+
+def backbone_of(model: ModelConfig) -> Backbone:
+    """The backbone a config describes (a preset such as ``cpu-d64``): its width, heads,
+    FFN, vocabulary and active-equivalent depth, named by its dense total (N_act), so
+    that the recommender answers for the model a study trains rather than for the
+    paper's shape of that size."""
+    if model.active_layers != int(model.active_layers) or model.active_layers < 1:
+        raise UserError(f"model.active_layers={model.active_layers:g}: the recommender's"
+                        " backbone needs a whole active depth >= 1")
+    b = Backbone(0.0, model.d_model, model.attn_head_dim, model.ffn_dim, model.n_heads,
+                 model.attn_kv_heads, model.vocab_size, int(model.active_layers))
+    return Backbone(float(b.dense_total), *dataclasses.astuple(b)[1:])
 
 
 @dataclass(frozen=True)

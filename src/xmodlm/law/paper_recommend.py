@@ -62,15 +62,20 @@ def recommend_paper(
     dense_prefixes: Sequence[int] = (bb.DENSE_PREFIX,),
     active_layers: int = bb.ACTIVE_LAYERS,
     top: int | None = None,
+    backbone: bb.Backbone | None = None,
 ) -> dict[str, Any]:
     """Rank the (K, A, N0) models of N_act ``active_params`` at ``context`` and budget
     ``compute`` by Eq. 14 (see the module doc). ``top`` keeps the best ``top``
-    candidates in the answer (all are ranked)."""
+    candidates in the answer (all are ranked). ``backbone``: the one to build on
+    (:func:`xmodlm.law.backbone.backbone_of` a preset) instead of the paper's shape of
+    that size; its dense total is then N_act, and its depth the active depth."""
+    if backbone is not None:
+        active_params, active_layers = float(backbone.dense_total), backbone.active_layers
     check_question(compute, context, active_params, max_total_params)
     if any(n < 0 or n != int(n) for n in dense_prefixes):
         raise UserError(f"dense prefixes {list(dense_prefixes)}: each must be an integer >= 0")
     law = law or paper.table8()
-    backbone = bb.backbone_for(active_params, active_layers)
+    backbone = backbone or bb.backbone_for(active_params, active_layers)
     scale = active_params / backbone.dense_total  # N fed to the law: totals' ratio times N_act
     dense_model = bb.build(backbone, 1, 0, 0)
     f_dense = dense_model.flops_forward(int(context))
