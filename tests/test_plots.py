@@ -226,3 +226,22 @@ def test_show_routing_numbers_blocks_by_place_in_the_stack(
     assert "(blocks " in page.read_text() and "Top-k routing, as in training" in page.read_text()
     with pytest.raises(UserError, match="not one of causal, topk"):
         show_routing(run, "x", png, routing="both")
+
+
+def test_bootstrap_panel_of_draws_a_rounding_error_apart() -> None:
+    """A parameter whose draws differ only by rounding (a bound the fit sits on) still
+    gets a panel: 30 bins over a range of 1e-16 cannot be drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from xmodlm.report.law_plots import _boot_panel
+
+    fig, ax = plt.subplots()
+    value = 1.9999999999125369
+    draws = np.array([value, np.nextafter(value, 3.0), value, value])
+    _boot_panel(ax, draws, value)
+    lo, hi = ax.get_xlim()
+    assert hi - lo > 1e-3
+    plt.close(fig)

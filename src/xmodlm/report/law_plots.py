@@ -260,7 +260,8 @@ def _boot_panel(ax: Any, samples: np.ndarray, value: float) -> None:
         lo = min(max(q1 - spread, finite.min()), ci[0])
         hi = max(min(q3 + spread, finite.max()), ci[1])
         ax.axvspan(*ci, color="tab:blue", alpha=0.12, lw=0)
-    if hi <= lo:  # a parameter pinned at one value: give its single bin some width
+    if not hi - lo > 1e-9 * max(abs(lo), abs(hi)):  # pinned at one value, or all but
+        # (draws a rounding error apart): give its single bin some width
         pad = abs(lo) * 0.05 or 0.05
         lo, hi = lo - pad, hi + pad
     inside = (finite >= lo) & (finite <= hi)
