@@ -235,7 +235,9 @@ def test_predict_paper_rows_with_bootstrap_intervals(tmp_path, capsys) -> None:
     frame, _ = reference.law_frame(rows)
     law = paper.table8()
     bare = predict_paper(law, rows)
-    assert len(bare) == len(frame) and bare["delta_lo"].isna().all()
+    assert len(bare) == len(rows) and bare["delta_lo"].isna().all()  # one per input row
+    dense = bare["sparsity"] == 1
+    assert dense.any() and np.allclose(bare.loc[dense, "delta"], paper.TABLE8["e"])
     merged = bare.merge(frame, on=["params_active", "params_total", "context", "sparsity",
                                    "anchor_stride"], suffixes=("", "_fitted"))
     assert len(merged) == len(frame)
@@ -246,7 +248,7 @@ def test_predict_paper_rows_with_bootstrap_intervals(tmp_path, capsys) -> None:
     out = predict_paper(law, rows)
     assert (out["delta_lo"] < out["delta"]).all() and (out["delta"] < out["delta_hi"]).all()
     assert out["outside"].str.contains("context 6.554e+04 outside", regex=False).sum() == (
-        frame["context"] == 65536).sum() > 0
+        rows["context"] == 65536).sum() > 0
     fit = tmp_path / "fit.json"
     fit.write_text(json.dumps(law.to_json()))
     table = tmp_path / "rows.csv"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from xmodlm.errors import UserError
 from xmodlm.law import paper
 from xmodlm.law.reference import eq14_inputs
 from xmodlm.law.table import validate
@@ -23,14 +22,12 @@ INTERVAL = (2.5, 97.5)  # percentiles of the bootstrap draws
 
 
 def predict_paper(law: paper.PaperLaw, rows: pd.DataFrame) -> pd.DataFrame:
-    """One row per sparse input row: its (K, A, L, N_act, N), the predicted Delta
-    (X-MoD minus dense of the same N_act and L at the same FLOPs), the interval
-    (NaN without draws) and the inputs outside the fitted ranges."""
+    """One row per input row: its (K, A, L, N_act, N), the predicted Delta (X-MoD minus
+    dense of the same N_act and L at the same FLOPs; a dense row gets Eq. 14 at K = 1,
+    its constant e), the interval (NaN without draws) and the inputs outside the
+    fitted ranges."""
     frame = validate(rows, need_loss=False).frame
-    sparse = frame[frame["is_sparse"]]
-    if sparse.empty:
-        raise UserError("the paper's law predicts sparse models; the input has no sparse row")
-    cols, _, _ = eq14_inputs(sparse)
+    cols, _, _ = eq14_inputs(frame)
     x = paper.Point.of(*(cols[c].to_numpy(float) for c in (
         "params_active", "params_total", "context", "sparsity", "anchor_stride")))
     out = pd.DataFrame({c: v.to_numpy(float) for c, v in cols.items()})
