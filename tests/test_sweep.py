@@ -13,6 +13,7 @@ import yaml
 
 from xmodlm import flops
 from xmodlm.cli import main
+from xmodlm.config import load_config
 from xmodlm.errors import UserError
 from xmodlm.sweep import collect_results, expand, load_spec, run_sweep, write_results
 from xmodlm.sweep.results import COLUMNS
@@ -380,14 +381,18 @@ def test_sweep_evaluates_final_checkpoints(tiny_data_dir: Path, tmp_path: Path) 
     assert run_sweep(expand(plain), out, progress=False)["ran"] == 2
     trained = {p.parent.name: p.stat().st_mtime_ns for p in out.glob("runs/*/summary.json")}
     spec = load_spec(_spec(tmp_path, tiny_data_dir, families,
-                           eval={"tasks": ["cloze"], "split": "val", "max_items": 8}))
-    assert eval_args(spec) == ("--split", "val", "--tasks", "cloze", "--max-items", "8")
+                           eval={"tasks": ["cloze"], "split": "val", "max_items": 8,
+                                 "batches": 1}))
+    assert eval_args(spec) == ("--split", "val", "--tasks", "cloze", "--max-items", "8",
+                               "--batches", "1")
     result = run_sweep(expand(spec), out, progress=False, eval_args=eval_args(spec))
     assert result["ran"] == 2 and result["failed"] == 0
     for run_id, mtime in trained.items():
         assert (out / "runs" / run_id / "summary.json").stat().st_mtime_ns == mtime  # not retrained
         ev = json.loads((out / "runs" / run_id / "eval.json").read_text())
         assert ev["split"] == "val" and ev["tasks"]["cloze"]["items"] <= 8
+        cfg = load_config(out / "runs" / run_id / "config.yaml")
+        assert ev["eval_tokens"] == cfg.train.batch_size * cfg.model.context  # one batch
     table, _ = collect_results(out)
     assert table["eval_split"].tolist() == ["val", "val"]
     assert table["task_cloze"].between(0, 1).all()
@@ -397,6 +402,9 @@ def test_sweep_evaluates_final_checkpoints(tiny_data_dir: Path, tmp_path: Path) 
     assert run_sweep(expand(spec), out, progress=False, eval_args=eval_args(spec))["ran"] == 0
     bad = _spec(tmp_path, tiny_data_dir, families, eval={"tasks": ["trivia"]})
     with pytest.raises(UserError, match="unknown task 'trivia'"):
+        load_spec(bad)
+    bad = _spec(tmp_path, tiny_data_dir, families, eval={"batches": 0})
+    with pytest.raises(UserError, match=r"eval.batches=0: must be an integer >= 1"):
         load_spec(bad)
 
 

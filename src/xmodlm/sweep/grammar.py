@@ -34,7 +34,8 @@ SPEC_KEYS = {
     "name", "base", "compute", "context", "dense", "families", "seeds", "set", "batch_tokens",
     "require", "eval", "lr_rule",
 }
-EVAL_KEYS = {"tasks": "", "split": "test", "max_items": 200}  # ``eval:`` keys and defaults
+# ``eval:`` keys and defaults; batches None: the eval command's own default
+EVAL_KEYS = {"tasks": "", "split": "test", "max_items": 200, "batches": None}
 ROUTING_KEYS = {"stride", "capacity", "gating", "balance_coef", "causal_router", "causal_coef"}
 MOE_KEYS = {"n_experts", "moe_top_k", "moe_aux_coef", "moe_z_coef"}
 LAYOUT_KEYS = {"anchors"}  # "stride" (every S-th block, the default) | "first" (block 0 only)
@@ -141,7 +142,7 @@ def _eval_options(value: Any) -> dict[str, Any]:
         )
     out = {**EVAL_KEYS, **value}
     tasks = out["tasks"]
-    tasks = tasks.split(",") if isinstance(tasks, str) else tasks
+    tasks = [t for t in tasks.split(",") if t] if isinstance(tasks, str) else tasks
     if not isinstance(tasks, list) or any(not isinstance(t, str) or not t for t in tasks):
         raise UserError(f"sweep spec: eval.tasks={value.get('tasks')!r}: a list of task names")
     out["tasks"] = [t for t in tasks if t]
@@ -154,6 +155,8 @@ def _eval_options(value: Any) -> dict[str, Any]:
     if out["split"] not in ("val", "test"):
         raise UserError(f"sweep spec: eval.split={out['split']!r}: allowed: val, test")
     out["max_items"] = _integer(out["max_items"], "eval.max_items", 1)
+    if out["batches"] is not None:  # capped by evaluation at what the split holds
+        out["batches"] = _integer(out["batches"], "eval.batches", 1)
     return out
 
 def _rules(value: Any) -> dict[str, float]:

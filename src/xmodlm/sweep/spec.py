@@ -26,10 +26,13 @@ narrow the grid for itself with its own ``seeds`` and ``compute`` (same forms; a
 mapping may name only some contexts, and the family runs at those only): the
 headline families at three seeds, the exploratory ones at one.
 
-``eval`` (optional, ``{tasks: [cloze, minimal_pairs], split: test, max_items: 200}``)
-evaluates each run's final checkpoint right after it trains (``xmod eval``, causal
-and top-k routing, the offline downstream tasks) into ``RUN/eval.json``, whose
-figures join the results table: checkpoints stay on the machine that trained them.
+``eval`` (optional, ``{tasks: [cloze, minimal_pairs], split: test, max_items: 200,
+batches: 64}``) evaluates each run's final checkpoint right after it trains (``xmod
+eval``, causal and top-k routing, the offline downstream tasks) into ``RUN/eval.json``,
+whose figures join the results table: checkpoints stay on the machine that trained
+them. ``batches`` (default: the eval command's) bounds the windows, in batches of the
+run's batch size, capped at what the split holds without overlap: a bound above the
+split's size evaluates every run on the whole split, whatever its context.
 
 ``lr_rule`` (optional, ``{lr: 4.0e-3, width: 128, power: 1.0}``) sets each run's
 learning rate from its width, ``lr * (width / rule width) ** -power``, the same for
@@ -199,8 +202,10 @@ def eval_args(spec: dict[str, Any]) -> tuple[str, ...]:
     options = spec.get("eval")
     if not options:
         return ()
+    batches = options.get("batches")
     return ("--split", options["split"], "--tasks", ",".join(options["tasks"]),
-            "--max-items", str(options["max_items"]))
+            "--max-items", str(options["max_items"]),
+            *(("--batches", str(batches)) if batches is not None else ()))
 
 def rule_lr(rule: dict[str, float], width: int) -> float:
     """The learning rate ``lr_rule`` gives a model of this width."""
