@@ -178,7 +178,9 @@ def test_cli_fit_paper_then_recommend(tmp_path, capsys) -> None:
     assert main(["law", "fit", str(table), "--form", "paper", "--n-boot", "0",
                  "--holdout", "leave-a-out",
                  "--out-of-range", "context=65536", "--out-of-range", "params_active=1.5e9",
-                 "--out", str(out), "--quiet"]) == 0
+                 "--out", str(out), "--plots", str(tmp_path / "plots"), "--quiet"]) == 0
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "paper_k.png", "paper_pred_true.png"]
     data = json.loads(out.read_text())
     assert data["schema"] == paper.SCHEMA and data["reference"]["references"]
     assert data["metrics"]["out_of_range"]["n"] == 9
@@ -188,6 +190,32 @@ def test_cli_fit_paper_then_recommend(tmp_path, capsys) -> None:
                  "--active-params", "556e6", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert answer["law"]["name"] == "fitted" and answer["best"]["delta"] < 0
+
+
+def test_plots_draw_the_fit_and_its_heldout_points(noisy, fitted, tmp_path) -> None:
+    """Each held-out protocol keeps every run it scored (the predicted-against-true
+    plot draws them), and the K plot's N(K) line is the construction's: straight in
+    K at A = 1 through (1, N_act), so it gives each run's own total back."""
+    from xmodlm.report import paper_law_plots as plots
+
+    for protocol in paper_fit.PROTOCOLS:
+        held = fitted.metrics["heldout"][protocol]
+        pts = held["points"]
+        assert len(pts["observed"]) == len(pts["predicted"]) == len(pts["group"]) == held["n"]
+        err = np.asarray(pts["predicted"]) - np.asarray(pts["observed"])
+        assert float(np.sqrt(np.mean(err**2))) == pytest.approx(held["rmse"])
+    rows = noisy[(noisy["anchor_stride"] == 1) & (noisy["label"] == 556e6)]
+    n_act = float(rows["params_active"].iloc[0])
+    intercept, slope = plots.total_line(rows["sparsity"].to_numpy(float),
+                                        rows["params_total"].to_numpy(float), n_act)
+    assert intercept + slope * rows["sparsity"].to_numpy(float) == pytest.approx(
+        rows["params_total"].to_numpy(float), rel=1e-6)
+    assert intercept + slope == pytest.approx(n_act, rel=1e-6)
+    paths = plots.plot_paper_law(fitted, noisy, tmp_path)
+    assert [p.name for p in paths] == ["paper_k.png", "paper_pred_true.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
+    one_k = noisy[noisy["sparsity"] == 8]
+    assert plots.k_figure(fitted, one_k, np.zeros(len(one_k), bool)) is None  # no curve to show
 
 
 def test_law_frame_without_embedding_counts_uses_eqs_4_5() -> None:

@@ -196,6 +196,11 @@ def _fit_paper(args: argparse.Namespace) -> int:
         from xmodlm.fileio import atomic_write_json
 
         atomic_write_json(Path(args.out), law.to_json())
+    if args.plots:
+        from xmodlm.report.paper_law_plots import plot_paper_law
+
+        for path in plot_paper_law(law, frame, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
     payload = law.to_json(samples=args.samples)
     if args.json:
         print_json(payload)
@@ -204,7 +209,10 @@ def _fit_paper(args: argparse.Namespace) -> int:
           f" {record['references']}; counts: {record['counts']}")
     for note in record["notes"]:
         print(f"note: {note}")
-    print(json.dumps({"params": law.value, "metrics": law.metrics}, indent=2))
+    held = {k: {m: v for m, v in (r or {}).items() if m != "points"}  # points: the plots'
+            for k, r in (law.metrics or {}).get("heldout", {}).items()}
+    print(json.dumps({"params": law.value, "metrics": {**(law.metrics or {}), "heldout": held}},
+                     indent=2))
     return 0
 
 

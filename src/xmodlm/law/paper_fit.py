@@ -238,9 +238,13 @@ def heldout(frame: pd.DataFrame, protocol: str, seed: int = 0) -> dict[str, Any]
         where += [float(v)] * int(test.sum())
     if not obs:
         return {"not_applicable": f"{protocol}: no held-out run shares a sweep with the rest"}
-    out = scores(np.concatenate(obs), np.concatenate(pred), np.concatenate(base))
+    observed, predicted = np.concatenate(obs), np.concatenate(pred)
+    out = scores(observed, predicted, np.concatenate(base))
     out["groups"] = [float(v) for v in values]
     out["not_scored"] = not_scored
+    # every scored run, for the predicted-against-true plot
+    out["points"] = {"observed": observed.tolist(), "predicted": predicted.tolist(),
+                     "group": where}
     return out
 
 
