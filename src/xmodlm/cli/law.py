@@ -303,18 +303,9 @@ def _predict_paper(args: argparse.Namespace, law: Any) -> int:
 
 def _paper_law(name: str | None) -> Any:
     """The paper's law named by ``--law`` (``paper``, or a JSON of that kind), else None."""
-    from xmodlm.law import paper
+    from xmodlm.law.paper import read_paper_law
 
-    if name == "paper" and not Path(name).is_file():
-        return paper.table8()
-    if name and Path(name).is_file() and Path(name).suffix.lower() == ".json":
-        try:
-            data = json.loads(Path(name).read_text())
-        except ValueError:
-            return None  # load_fit says what is wrong with it
-        if paper.is_paper_json(data):
-            return paper.PaperLaw.from_json(data)
-    return None
+    return read_paper_law(name)
 
 
 def cmd_recommend(args: argparse.Namespace) -> int:

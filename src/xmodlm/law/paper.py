@@ -167,6 +167,17 @@ class PaperLaw:
     metrics: dict[str, Any] | None = None
     reference: dict[str, Any] | None = None  # which dense reference each fitted run got
 
+    def fitted_runs(self) -> Any:
+        """The runs the law was fitted on as a frame (run_id, Eq. 14's inputs, the
+        run's loss, its reference and Delta), from the fit's own record; None for a
+        law that keeps none (Table 8, or a fit written before the record held them)."""
+        import pandas as pd
+
+        runs = (self.reference or {}).get("runs") or []
+        if not runs or "delta" not in runs[0]:
+            return None
+        return pd.DataFrame(runs)
+
     def draws(self) -> list[dict[str, float]]:
         if self.samples is None:
             return []
@@ -225,3 +236,22 @@ def table8() -> PaperLaw:
 
 def is_paper_json(data: Any) -> bool:
     return isinstance(data, dict) and data.get("schema") == SCHEMA
+
+
+def read_paper_law(name: str | None) -> PaperLaw | None:
+    """The paper's law that ``name`` names: ``paper`` (Table 8) or a JSON file written
+    by ``xmod law fit --form paper``; None for anything else (another kind of fit,
+    whose own reader says what is wrong with it)."""
+    import json
+    from pathlib import Path
+
+    if name == "paper" and not Path(name).is_file():
+        return table8()
+    if name and Path(name).is_file() and Path(name).suffix.lower() == ".json":
+        try:
+            data = json.loads(Path(name).read_text())
+        except ValueError:
+            return None
+        if is_paper_json(data):
+            return PaperLaw.from_json(data)
+    return None

@@ -31,13 +31,19 @@ def predict_paper(law: paper.PaperLaw, rows: pd.DataFrame) -> pd.DataFrame:
     x = paper.Point.of(*(cols[c].to_numpy(float) for c in (
         "params_active", "params_total", "context", "sparsity", "anchor_stride")))
     out = pd.DataFrame({c: v.to_numpy(float) for c, v in cols.items()})
-    out["delta"] = paper.delta(x, law.value)
-    draws = law.draws()
-    if draws:
-        boot = np.stack([paper.delta(x, p) for p in draws])
-        out["delta_lo"], out["delta_hi"] = np.percentile(boot, INTERVAL, axis=0)
-    else:
-        out["delta_lo"] = out["delta_hi"] = np.nan
+    out["delta"], out["delta_lo"], out["delta_hi"] = with_interval(law, x)
     out["outside"] = ["; ".join(law.outside(r)) for r in out[list(paper.TABLE8_RANGE)].to_dict(
         orient="records")]
     return out
+
+
+def with_interval(law: paper.PaperLaw, x: paper.Point) -> tuple[np.ndarray, np.ndarray,
+                                                                np.ndarray]:
+    """Eq. 14's Delta at ``x`` and its :data:`INTERVAL` over the fit's bootstrap draws
+    (NaN without draws)."""
+    point = paper.delta(x, law.value)
+    draws = law.draws()
+    if not draws:
+        return point, np.full(len(x), np.nan), np.full(len(x), np.nan)
+    lo, hi = np.percentile(np.stack([paper.delta(x, p) for p in draws]), INTERVAL, axis=0)
+    return point, lo, hi

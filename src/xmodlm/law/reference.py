@@ -221,6 +221,9 @@ def law_frame(df: pd.DataFrame, curves: pd.DataFrame | None = None, loss: str = 
               "left_out_no_reference": int(kinds.get("none", 0)), "loss": runs.loss,
               "variant": variant, "excluded_variants": excluded, "lr": lr,
               "left_out_other_lr": other_lr,
+              "curves": curves is not None,  # dense references from validation curves
               "notes": notes,
-              "runs": usable[["run_id", "reference", "reference_runs"]].to_dict(orient="records")}
+              # each fitted run as Eq. 14 saw it: the fit can be drawn from its JSON alone
+              "runs": usable[["run_id", *eq14, "val_loss", "reference_loss", "delta",
+                              "reference", "reference_runs"]].to_dict(orient="records")}
     return usable, record

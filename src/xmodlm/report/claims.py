@@ -65,6 +65,8 @@ PAPER: dict[str, Any] = {
                      " at 556M for A4K8 / A3K16",
     "ablations": {"xmod[balance=none]": 0.181, "xmod[anchors=prefix]": 0.103,
                   "xmod[gating=sigmoid]": 0.016, "xmod[prefix=0]": 0.011},
+    "law": "R^2_Delta 0.9853 on 109 runs; held out by context, scale and A, and out of"
+           " range (L = 64k, N_act 1.65B) inside a +-0.02-nat band",
 }
 CELL = ["context", "tier", "width", "optimizer", "lr"]  # one backbone at one budget
 

@@ -30,8 +30,11 @@ def _pm(s: dict[str, Any] | None, fmt: str) -> str:
     return f"{s['mean']:{fmt}}{se} ({s['n']})"
 
 
-def claims_markdown(claims: dict[str, Any] | None) -> list[str]:
-    """The section; nothing when the table is not of the paper's construction."""
+def claims_markdown(claims: dict[str, Any] | None, law: dict[str, Any] | None = None
+                    ) -> list[str]:
+    """The section; nothing when the table is not of the paper's construction. ``law``:
+    the report's law section, whose held-out and unseen-run scores are the law's claim
+    when it is a fit of the paper's law."""
     if claims is None:
         return []
     paper = claims["paper"]
@@ -50,7 +53,23 @@ def claims_markdown(claims: dict[str, Any] | None) -> list[str]:
         *_moe(claims["moe"]),
         *_routing(claims.get("routing_bias")),
         *_step_time(claims.get("step_time")),
+        *_law(law, paper),
     ]
+
+
+def _law(law: dict[str, Any] | None, paper: dict[str, Any]) -> list[str]:
+    """The law's claim in one table: its grouped held-out errors and its predictions
+    for runs it did not see, each beside the constant-Delta baseline."""
+    if not law or law.get("kind") != "paper":
+        return []
+    from xmodlm.report.paper_law_section import heldout_table, unseen_table
+
+    fit = law.get("in_fit") or {}
+    lines = ["", "### The law", "", f"Paper: {paper['law']}. Ours: Eq. 14 fitted on"
+             f" {fit.get('n', '?')} runs (R^2_Delta {fit.get('r2_delta', float('nan')):.3f},"
+             f" RMSE {fit.get('rmse', float('nan')):.4f}); the law section below has its"
+             " parameters and plots."]
+    return lines + heldout_table(law) + unseen_table(law.get("unseen"))
 
 
 def _u_shape(entries: list[dict[str, Any]], paper: dict[str, Any], plot: str | None) -> list[str]:

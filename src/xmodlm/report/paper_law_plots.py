@@ -32,12 +32,17 @@ from xmodlm.report.dynamics_plots import _save
 HELD_MARKERS = {"leave-context-out": "s", "leave-scale-out": "D", "leave-a-out": "^"}
 
 
-def plot_paper_law(law: paper.PaperLaw, frame: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+def plot_paper_law(law: paper.PaperLaw, frame: pd.DataFrame, out_dir: str | Path,
+                   oor: np.ndarray | None = None) -> list[Path]:
     """Write both figures for ``law`` and the runs ``frame`` it was fitted on (the
     frame :func:`xmodlm.law.reference.law_frame` gave the fit, out-of-range runs
-    included); return the paths written. A figure with nothing to draw is skipped."""
+    included); return the paths written. A figure with nothing to draw is skipped.
+    ``oor``: which rows the fit did not see (default: those its out-of-range spec
+    names)."""
     out = Path(out_dir)
-    oor = out_of_range_mask(frame, ((law.metrics or {}).get("out_of_range") or {}).get("spec"))
+    if oor is None:
+        spec = ((law.metrics or {}).get("out_of_range") or {}).get("spec")
+        oor = out_of_range_mask(frame, spec)
     paths = []
     fig = k_figure(law, frame, oor)
     if fig is not None:

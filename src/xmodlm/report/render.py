@@ -42,7 +42,7 @@ def render_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> str:
                       if report.get("loss_source") else
                       "each run's last in-training validation evaluation."),
         *_headline_markdown(report.get("headline") or []),
-        *claims_markdown(report.get("claims")),
+        *claims_markdown(report.get("claims"), report.get("law")),
         *_vs_dense_markdown(report, comparisons),
         *_over_seeds_markdown(report),
         *_learning_rates_markdown(report["learning_rates"]),
@@ -245,7 +245,12 @@ def _causal_gap_markdown(gap: dict[str, Any] | None) -> list[str]:
 
 def _law_markdown(law: dict[str, Any] | None) -> list[str]:
     """The law section: the fit, its selected delta form with intervals, which terms the
-    data resolve, held-out scores and the law's plots."""
+    data resolve, held-out scores and the law's plots (a fit of the paper's law has its
+    own, :mod:`xmodlm.report.paper_law_section`)."""
+    if law and law.get("kind") == "paper":
+        from xmodlm.report.paper_law_section import paper_law_markdown
+
+        return paper_law_markdown(law)
     lines: list[str] = []
     if law:
         baseline = ("each sparse run's delta measured against its FLOP-matched dense run"

@@ -59,6 +59,7 @@ import pandas as pd
 from xmodlm import record
 from xmodlm.errors import UserError
 from xmodlm.fileio import atomic_write_json, atomic_write_text
+from xmodlm.law.paper import read_paper_law
 from xmodlm.law.table import finished_runs, read_table
 from xmodlm.progress import Progress
 from xmodlm.report.analysis import (
@@ -79,7 +80,8 @@ from xmodlm.report.ladder import dense_ladder, equal_size
 from xmodlm.report.render import render_markdown
 
 if TYPE_CHECKING:
-    from xmodlm.law.lawfit import LawFit
+    from xmodlm.law.paper import read_paper_law
+from xmodlm.law.lawfit import LawFit
 
 
 def _law_section(fit: LawFit, fit_path: str | Path) -> dict[str, Any]:
@@ -314,7 +316,14 @@ def sweep_report(
     report["claims"] = paper_claims(df, run_records, out)
     bar.update(1, done="training dynamics read from the run records")
     fit = None
-    if law is not None:
+    paper_law = read_paper_law(str(law)) if law is not None else None
+    if paper_law is not None:
+        from xmodlm.report.paper_law_section import paper_law_section
+
+        sweep_dir = Path(results) if Path(results).is_dir() else Path(results).parent
+        report["law"] = paper_law_section(paper_law, law, raw, sweep_dir, out)
+        bar.update(1, done="the paper's law summarised and plotted")
+    elif law is not None:
         from xmodlm.law.lawfit import load_fit
         from xmodlm.report.law_plots import plot_law
 
