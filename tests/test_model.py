@@ -106,6 +106,31 @@ def test_routed_block_gather_path_equals_masked_reference(changes: dict) -> None
     torch.testing.assert_close(y_fast[~out.topk_BT], x[~out.topk_BT])
 
 
+def test_causal_routing_runs_on_routed_tokens_and_equals_the_masked_reference() -> None:
+    """Causal routing gathers each sequence's routed tokens (a varying number, padded
+    to the most) and equals dense attention masked to them, forward and backward; a
+    sequence that routes nothing passes through."""
+    cfg = tiny_model_cfg(n_layers=4, stride=2, capacity=0.25)
+    model = Transformer(cfg)
+    block = model.blocks[1]
+    assert isinstance(block, RoutedBlock)
+    x = torch.randn(3, cfg.context, cfg.d_model, requires_grad=True)
+    pos = torch.arange(cfg.context)
+    r = block.router.logits(x)
+    with torch.no_grad():
+        block.router.threshold.fill_(float(r[0].median()))  # uneven counts per sequence
+    y_fast, out = block(x, model.rope, pos, "causal")
+    sel = out.causal_BT
+    assert len(set(sel.sum(1).tolist())) > 1
+    y_ref = block.masked_forward(x, r, sel, model.rope, pos)
+    torch.testing.assert_close(y_fast, y_ref, rtol=1e-5, atol=1e-5)
+    (g_fast,) = torch.autograd.grad(y_fast.square().sum(), x)
+    (g_ref,) = torch.autograd.grad(y_ref.square().sum(), x)
+    torch.testing.assert_close(g_fast, g_ref, rtol=1e-4, atol=1e-5)
+    none = torch.zeros_like(sel)
+    torch.testing.assert_close(block.ragged_forward(x, r, none, model.rope, pos_T=pos), x)
+
+
 @pytest.mark.parametrize("gating", ["logit", "sigmoid", "variance_scaled"])
 def test_router_receives_gradient(gating: str) -> None:
     cfg = tiny_model_cfg(stride=2, capacity=0.25, gating=gating, causal_coef=0.0)
