@@ -264,6 +264,7 @@ def test_predict_paper_rows_with_bootstrap_intervals(tmp_path, capsys) -> None:
     law = paper.table8()
     bare = predict_paper(law, rows)
     assert len(bare) == len(rows) and bare["delta_lo"].isna().all()  # one per input row
+    assert bare["run_id"].tolist() == rows["run_id"].tolist()  # each prediction names its run
     dense = bare["sparsity"] == 1
     assert dense.any() and np.allclose(bare.loc[dense, "delta"], paper.TABLE8["e"])
     merged = bare.merge(frame, on=["params_active", "params_total", "context", "sparsity",

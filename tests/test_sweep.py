@@ -132,6 +132,28 @@ def test_cli_dry_run(tiny_data_dir: Path, tmp_path: Path, capsys: pytest.Capture
     assert main(["sweep", str(tmp_path / "missing.yaml"), "--dry-run"]) == 2
 
 
+def test_dry_run_plan_is_what_the_runs_will_record(tiny_data_dir: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    """--plan writes the planned runs as results rows (ids and config columns), the
+    input a registered prediction is made from; the rows are those the runs' own
+    records will hold."""
+    spec = _spec(tmp_path, tiny_data_dir, FOUR)
+    plan = tmp_path / "plan.csv"
+    assert main(["sweep", str(spec), "--dry-run", "--plan", str(plan)]) == 0
+    table = pd.read_csv(plan)
+    runs = expand(load_spec(spec))
+    assert table["run_id"].tolist() == [r.run_id for r in runs]
+    out = tmp_path / "sweep"
+    run_sweep(runs[:1], out, progress=False)
+    done, _ = collect_results(out)
+    for col in ("family", "layout", "params_total", "params_active", "flops_per_token",
+                "context", "seed"):  # compute: the budget here, what was spent there
+        assert table[col].iloc[0] == done[col].iloc[0], col
+    assert main(["sweep", str(spec), "--plan", str(plan)]) == 2  # a plan needs --dry-run
+    assert "--dry-run" in capsys.readouterr().err
+    assert main(["sweep", str(spec), "--dry-run", "--plan", str(tmp_path / "p.txt")]) == 2
+
+
 def test_executor_registry_and_options(capsys: pytest.CaptureFixture[str]) -> None:
     from xmodlm.cli import main
     from xmodlm.sweep.executors import (

@@ -35,6 +35,9 @@ def sweep_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slurm-local", action="store_true",
                    help="run slurm jobs with submitit's local executor (testing)")
     p.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
+    p.add_argument("--plan", default=None, metavar="CSV",
+                   help="with --dry-run: also write the planned runs' records (ids, config"
+                   " columns, compute, tokens) here, for `xmod law predict --input`")
     p.add_argument("--rate-from", default=None, metavar="SWEEP_DIR",
                    help="with --dry-run: estimate times from the FLOP/s that this sweep folder's"
                    " finished runs reached (default: --out's own finished runs, if any)")
@@ -68,6 +71,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             Path(args.spec).read_bytes().decode("utf-8")
         except UnicodeDecodeError:
             raise UserError(f"sweep spec {args.spec!r} is not UTF-8 text (a binary file?)") from None
+    if args.plan and not args.dry_run:
+        raise UserError("--plan writes the plan of a dry run: add --dry-run")
+    if args.plan:
+        check_out_file(args.plan, (".csv",), "--plan")
     if not args.dry_run:
         check_out_dir(args.out, "sweep")
     spec = load_spec(args.spec)
@@ -81,6 +88,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                       needs_eval=bool(eval_args(spec))))
         for line in broken:  # shown, not refused: a dry run is for fixing the spec
             print(line.replace("sweep spec: ", "would refuse: "))
+        if args.plan:
+            from xmodlm.fileio import atomic_write_text
+            from xmodlm.sweep.plan import plan_table
+
+            atomic_write_text(Path(args.plan), plan_table(runs).to_csv(index=False))
+            print(f"plan of {len(runs)} runs written to {args.plan}")
         return 0
     result = run_sweep(
         runs, args.out, executor=args.executor, workers=args.workers,

@@ -31,6 +31,8 @@ def predict_paper(law: paper.PaperLaw, rows: pd.DataFrame) -> pd.DataFrame:
     x = paper.Point.of(*(cols[c].to_numpy(float) for c in (
         "params_active", "params_total", "context", "sparsity", "anchor_stride")))
     out = pd.DataFrame({c: v.to_numpy(float) for c, v in cols.items()})
+    if "run_id" in frame:  # a planned sweep's rows (xmod sweep --dry-run --plan) keep their ids
+        out.insert(0, "run_id", frame["run_id"].to_numpy())
     out["delta"], out["delta_lo"], out["delta_hi"] = with_interval(law, x)
     out["outside"] = ["; ".join(law.outside(r)) for r in out[list(paper.TABLE8_RANGE)].to_dict(
         orient="records")]

@@ -78,3 +78,22 @@ def dry_run(
              f"{len(table)} runs, {done} done; the {len(table) - done} left")
     return (table.to_string(index=False, formatters=fmt) + "\n"
             + f"{count} estimated {left:.0f} min with {workers} worker(s) ({how}; {fixed})")
+
+
+def plan_table(runs: list[RunSpec]) -> Any:
+    """The planned runs as results-table rows without outcomes: each run's id, its
+    record columns (:func:`xmodlm.record.config_row`), seed, optimiser, peak rate,
+    compute and the tokens and steps it buys. What ``xmod law predict`` reads, so a
+    prediction can be made, and committed, for runs before they start."""
+    import pandas as pd
+
+    from xmodlm import flops, record
+
+    rows = []
+    for run in runs:
+        m, t = run.cfg.model, run.cfg.train
+        counts = flops.count(m)
+        rows.append({"run_id": run.run_id, **record.config_row(m, counts), "seed": t.seed,
+                     "optimizer": t.optimizer, "lr": t.lr, "compute": run.compute,
+                     "tokens": run.compute / counts.flops_train, "steps": run.steps})
+    return pd.DataFrame(rows)
