@@ -106,6 +106,7 @@ def test_failing_run_is_recorded_and_others_finish(tiny_data_dir: Path, tmp_path
     assert result["ran"] == 0  # retry limit reached
 
 
+@pytest.mark.slow  # a local Ray cluster takes about a minute to start on 2 cores
 def test_ray_executor(tiny_data_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("ray")
     runs = expand(load_spec(_spec(tmp_path, tiny_data_dir, [{"family": "dense"}])))
