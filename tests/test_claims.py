@@ -255,3 +255,27 @@ def test_tables_not_of_the_paper_construction_get_no_section(tmp_path: Path) -> 
     assert not (tmp_path / "out" / "claims_k.png").exists()
     df, _ = finished_table(pd.DataFrame([_row(1, 5.0), _row(8, 4.7), _row(8, 4.8, seed=1)]), "t")
     assert claims(df) is None
+
+
+def test_report_names_paper_models_by_a_and_k() -> None:
+    """A1K8 and A2K4 (both stride 9; capacity 1/8 and 1/4) keep their own rows and are
+    named by (A, K) in the tables that group by configuration; MoD, not of the
+    construction, keeps its stride and capacity."""
+    from xmodlm.report.analysis import against_dense, match_to_dense
+
+    rows = [_row(1, 5.0, seed=s) for s in range(2)]
+    rows += [_row(8, 4.9, seed=s) for s in range(2)] + [_row(4, 4.8, seed=s, A=2.0) for s in range(2)]
+    rows += [{**_row(8, 4.95, seed=s, family="mod"), "layout": "DsDsDsDsD", "stride": 2,
+              "capacity": 0.125} for s in range(2)]
+    df, _ = finished_table(pd.DataFrame(rows), "results.csv")
+    comparisons, unmatched = match_to_dense(df)
+    assert unmatched == 0
+    out = against_dense(comparisons)
+    by_config = out["vs_dense_by_config"]
+    assert set(by_config) == {"xmod A1K8 variance_scaled bal=token_bias muon",
+                              "xmod A2K4 variance_scaled bal=token_bias muon",
+                              "mod S=2 c=0.125 variance_scaled bal=token_bias muon"}
+    assert all(s["n"] == 2 for s in by_config.values())
+    paired = {e["config"]: e for e in out["paired"]}
+    assert paired["xmod A2K4 variance_scaled bal=token_bias muon lr=0.0032"]["mean"] \
+        == pytest.approx(-0.2)

@@ -209,9 +209,8 @@ def _fit_paper(args: argparse.Namespace) -> int:
           f" {record['references']}; counts: {record['counts']}")
     for note in record["notes"]:
         print(f"note: {note}")
-    held = {k: {m: v for m, v in (r or {}).items() if m != "points"}  # points: the plots'
-            for k, r in (law.metrics or {}).get("heldout", {}).items()}
-    print(json.dumps({"params": law.value, "metrics": {**(law.metrics or {}), "heldout": held}},
+    print(json.dumps({"params": law.value,
+                      "metrics": {**(law.metrics or {}), "heldout": law.heldout_scores()}},
                      indent=2))
     return 0
 

@@ -178,6 +178,12 @@ class PaperLaw:
             return None
         return pd.DataFrame(runs)
 
+    def heldout_scores(self) -> dict[str, dict[str, Any]]:
+        """Each held-out protocol's scores without its per-run points: the points are
+        for the plots, and a summary printed or quoted would drown in them."""
+        return {protocol: {k: v for k, v in (scores or {}).items() if k != "points"}
+                for protocol, scores in ((self.metrics or {}).get("heldout") or {}).items()}
+
     def draws(self) -> list[dict[str, float]]:
         if self.samples is None:
             return []

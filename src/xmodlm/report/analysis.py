@@ -30,30 +30,41 @@ TIER_GAP = 0.15  # decades between distinct compute budgets
 # what makes two runs of one family different models (seeds aside): the routing, the
 # mechanism settings and the optimiser (AdamW, the default, goes unnamed in labels)
 CONFIG_KEYS = ("family", "stride", "capacity", "gating", "balance", "balance_coef", "optimizer")
+# the paper's construction (K, A): where a table records them, a routed model is named
+# by them. They are one-to-one with (stride, capacity) there (K = 1/c, A = (S - 1)/K),
+# so grouping by them as well splits no group; it only carries them to the label.
+PAPER_KEYS = ("sparsity", "anchor_stride")
 DEFAULT_OPTIMIZER = record.DEFAULT_OPTIMIZER
-PAIR_KEYS = ("tier", "context", "width", *CONFIG_KEYS, "layout", "lr")
+PAIR_KEYS = ("tier", "context", "width", *CONFIG_KEYS, *PAPER_KEYS, "layout", "lr")
 
 
 def config_label(key: tuple[Any, ...]) -> str:
     family, stride, capacity, gating, balance, coef, optimizer = key
+    return _label(family, f"S={stride} c={capacity:g}", gating, balance, coef, optimizer)
+
+
+def _label(family: str, shape: str, gating: Any, balance: Any, coef: float, optimizer: Any) -> str:
     opt = "" if optimizer == DEFAULT_OPTIMIZER else f" {optimizer}"
     if family == "moe":
         return "moe" + opt
     bal = f"{balance}:{coef:g}" if balance == "cv" else str(balance)
-    return f"{family} S={stride} c={capacity:g} {gating} bal={bal}{opt}"
+    return f"{family} {shape} {gating} bal={bal}{opt}"
 
 
 def model_label(row: dict[str, Any]) -> str:
     """The model of a run as the report names it: mechanism settings and optimiser
-    (dense: the optimiser alone)."""
+    (dense: the optimiser alone); an X-MoD of the paper's construction by its (A, K)
+    rather than its stride and capacity."""
     key = {**row, **record.recorded_mechanism(row.get("balance"), row.get("balance_coef"),
                                        row.get("optimizer"))}
-    opt = "" if key["optimizer"] == DEFAULT_OPTIMIZER else f" {key['optimizer']}"
     if record.is_dense(row["family"]):
-        return record.DENSE + opt
-    k, a = row.get("sparsity"), row.get("anchor_stride")
-    paper = f" A{float(a):g}K{float(k):g}" if pd.notna(k) and pd.notna(a) else ""
-    return config_label(tuple(key[k] for k in CONFIG_KEYS)) + paper
+        return record.DENSE + ("" if key["optimizer"] == DEFAULT_OPTIMIZER
+                               else f" {key['optimizer']}")
+    k, a = pd.to_numeric(row.get("sparsity")), pd.to_numeric(row.get("anchor_stride"))
+    shape = (f"A{float(a):g}K{float(k):g}" if row["family"] == "xmod" and pd.notna(k) and pd.notna(a)
+             else f"S={key['stride']} c={key['capacity']:g}")
+    return _label(row["family"], shape, key["gating"], key["balance"], key["balance_coef"],
+                  key["optimizer"])
 
 
 def run_label(row: dict[str, Any]) -> str:
@@ -96,7 +107,8 @@ def finished_table(raw: pd.DataFrame, path: str | Path) -> tuple[pd.DataFrame, i
     if "seed" not in df.columns:
         df["seed"] = 0
     for col, default in (("stride", 1), ("capacity", 1.0), ("gating", "-"), ("balance_coef", 0.0),
-                         ("layout", ""), ("lr", np.nan), ("balance", None), ("optimizer", None)):
+                         ("layout", ""), ("lr", np.nan), ("balance", None), ("optimizer", None),
+                         *((k, np.nan) for k in PAPER_KEYS)):
         if col not in df.columns:
             df[col] = default
     filled = [record.recorded_mechanism(*v) for v in zip(df["balance"], df["balance_coef"],
@@ -104,7 +116,8 @@ def finished_table(raw: pd.DataFrame, path: str | Path) -> tuple[pd.DataFrame, i
     for col in ("balance", "balance_coef", "optimizer"):
         df[col] = [f[col] for f in filled]
     df["layout"] = df["layout"].fillna("").astype(str)
-    df["lr"] = pd.to_numeric(df["lr"], errors="coerce")
+    for col in ("lr", *PAPER_KEYS):
+        df[col] = pd.to_numeric(df[col], errors="coerce")
     # budgets are per context: FLOP-matching at another context gives other budgets
     # (2.2e13 at T = 128 beside 2.8e13 at T = 512 must not read as one tier)
     df["tier"] = 0.0
@@ -159,7 +172,7 @@ def match_to_dense(df: pd.DataFrame) -> tuple[pd.DataFrame, int]:
                 "context": int(run["context"]),
                 "width": int(run["width"]),
                 "seed": run["seed"],
-                **{k: run[k] for k in CONFIG_KEYS[1:]},
+                **{k: run[k] for k in (*CONFIG_KEYS[1:], *PAPER_KEYS)},
                 "balance_coef": float(run["balance_coef"]),
                 "layout": run.get("layout", ""),
                 "lr": lr,
@@ -391,7 +404,7 @@ def learning_rates(df: pd.DataFrame) -> list[dict[str, Any]]:
     if df["lr"].nunique() < 2:
         return []
     out = []
-    keys = ["tier", "context", "width", *CONFIG_KEYS, "n_layers"]
+    keys = ["tier", "context", "width", *CONFIG_KEYS, *PAPER_KEYS, "n_layers"]
     keys = [k for k in keys if k in df.columns]
     for key, g in df.groupby(keys, dropna=False, sort=True):
         if g["lr"].nunique() < 2:
@@ -424,14 +437,15 @@ def against_dense(comparisons: pd.DataFrame) -> dict[str, Any]:
     if comparisons.empty:
         return {}
     mixed = comparisons[comparisons["mixed"] != ""]
+    keys = [*CONFIG_KEYS, *PAPER_KEYS]
     return {
         "vs_dense": {fam: _summary(g["delta"]) for fam, g in comparisons.groupby("family")},
         "vs_dense_by_tier": {
             f"{tier:g}": _summary(g["delta"]) for tier, g in comparisons.groupby("tier")
         },
         "vs_dense_by_config": {
-            config_label(key): _summary(g["delta"])
-            for key, g in comparisons.groupby(list(CONFIG_KEYS), dropna=False)
+            model_label(dict(zip(keys, key, strict=True))): _summary(g["delta"])
+            for key, g in comparisons.groupby(keys, dropna=False)
         },
         "paired": paired(comparisons),
         "mixed_pairs": [

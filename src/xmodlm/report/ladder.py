@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from xmodlm import record
-from xmodlm.report.analysis import CONFIG_KEYS, PAIR_KEYS, config_label, over_seeds
+from xmodlm.report.analysis import PAIR_KEYS, model_label, over_seeds
 
 
 def _dense_shapes(dense: pd.DataFrame) -> list[dict[str, Any]]:
@@ -133,7 +133,7 @@ def equal_size(df: pd.DataFrame) -> list[dict[str, Any]]:
         n = float(runs["params_active"].iloc[0])
         by_seed = runs.groupby("seed")["loss"].mean()
         entry: dict[str, Any] = {
-            "config": config_label(tuple(row[k] for k in CONFIG_KEYS)),
+            "config": model_label(row),
             "tier": float(row["tier"]), "context": int(row["context"]),
             "width": int(row["width"]), "lr": None if pd.isna(row["lr"]) else float(row["lr"]),
             "n_layers": int(runs["n_layers"].iloc[0]) if pd.notna(runs["n_layers"].iloc[0]) else None,

@@ -49,8 +49,7 @@ def paper_law_section(law: paper.PaperLaw, path: str | Path, df: pd.DataFrame,
         "kind": "paper", "path": str(path), "name": law.name,
         "variant": record.get("variant"), "loss": record.get("loss"), "lr": record.get("lr"),
         "ranges": law.ranges, "params": params, "in_fit": metrics.get("in_fit"),
-        "heldout": {k: {m: v for m, v in (r or {}).items() if m != "points"}
-                    for k, r in (metrics.get("heldout") or {}).items()},
+        "heldout": law.heldout_scores(),
         "out_of_range": metrics.get("out_of_range"),
         "unseen": None, "plots": [],
     }

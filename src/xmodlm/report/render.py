@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from xmodlm.report.analysis import DEFAULT_OPTIMIZER, HEADLINE_FAMILIES, config_label
+from xmodlm.report.analysis import DEFAULT_OPTIMIZER, HEADLINE_FAMILIES, config_label, model_label
 from xmodlm.report.claims_render import claims_markdown
 from xmodlm.report.isoflop import isoflop_markdown
 
@@ -87,8 +87,8 @@ def _vs_dense_markdown(report: dict[str, Any], comparisons: pd.DataFrame) -> lis
             lines += ["", f"Runs that beat their dense reference ({len(wins)}):", ""]
             for _, w in wins.iterrows():
                 lines.append(
-                    f"* C = {w['tier']:.2g}, width {w['width']}, {w['family']} S = {w['stride']},"
-                    f" c = {w['capacity']:g}: {_fmt(w['delta'])}"
+                    f"* C = {w['tier']:.2g}, T = {w['context']}, width {w['width']},"
+                    f" {model_label(w.to_dict())}: {_fmt(w['delta'])}"
                 )
     else:
         lines.append("No non-dense run has a FLOP-matched dense reference in this table.")
