@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from xmodlm.cli import main
+from xmodlm.errors import UserError
 from xmodlm.law import paper, paper_fit, paper_synthetic, reference
 from xmodlm.law.table import validate
 
@@ -286,3 +287,37 @@ def test_predict_paper_rows_with_bootstrap_intervals(tmp_path, capsys) -> None:
     got = json.loads(capsys.readouterr().out)
     assert got["predicts"] == "delta"
     assert [p["delta"] for p in got["predictions"]] == pytest.approx(list(out["delta"]))
+
+
+def test_predictions_count_rows_as_the_fit_counted_runs(tmp_path, capsys) -> None:
+    """A fit on a table without ``params_non_embedding`` (Eqs. 4-5) predicts planned
+    rows that have it by its own rule: the same Delta as the rows without the column,
+    not N_act with embeddings (1.15-1.47x larger on these backbones, N / N_act
+    0.71-0.94x, Delta up to 0.023 nats off). A fit with embeddings refuses rows that
+    cannot be counted its way, and recommend refuses an Eqs. 4-5 fit."""
+    from xmodlm.law.paper_predict import predict_paper
+
+    rows = paper_synthetic.results_table(seed=1)
+    bare = rows.drop(columns="params_non_embedding")
+    runs, record = reference.law_frame(bare)
+    assert record["counts"] == paper.COUNTS_EQS_4_5
+    law = paper_fit.fit_paper(runs, n_boot=0, protocols=(), reference=record)
+    assert law.counts() == paper.COUNTS_EQS_4_5
+    got, want = predict_paper(law, rows), predict_paper(law, bare)
+    assert np.allclose(got["delta"], want["delta"]) and np.allclose(
+        got["params_active"], want["params_active"])
+    embedded = predict_paper(paper.PaperLaw(**{**law.__dict__, "reference": {
+        **record, "counts": paper.COUNTS_WITH_EMBEDDINGS}}), rows)
+    assert not np.allclose(embedded["params_active"], got["params_active"])
+
+    runs, record = reference.law_frame(rows)
+    assert record["counts"] == paper.COUNTS_WITH_EMBEDDINGS
+    law_e = paper.PaperLaw(**{**law.__dict__, "reference": record})
+    with pytest.raises(UserError, match="params_non_embedding"):
+        predict_paper(law_e, bare)
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps(law.to_json()))
+    capsys.readouterr()
+    assert main(["recommend", "--law", str(fit), "--compute", "1e20", "--context", "8192",
+                 "--active-params", "556e6"]) == 2
+    assert "without embeddings" in capsys.readouterr().err

@@ -79,6 +79,9 @@ def test_local_sweep_runs_then_skips(tiny_data_dir: Path, tmp_path: Path) -> Non
     assert len(table) == 4 and not left_out
     assert list(table.columns[: len(COLUMNS)]) == COLUMNS
     assert (table["status"] == "ok").all() and (table["val_loss"] > 0).all()
+    # the paper law counts N_act with embeddings from this column (xmodlm.law.reference)
+    embeddings = table["params_total"] - table["params_non_embedding"]
+    assert (embeddings > 0).all() and embeddings.nunique() == 1
 
     # a corrupt summary is reported and left out, never used
     victim = out / "runs" / runs[0].run_id / "summary.json"

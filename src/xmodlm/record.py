@@ -28,7 +28,8 @@ RUN_COLUMNS = (
 # another CPU kind, dtype or compile mode is another draw (0.037 nats apart, measured).
 PAIRING_COLUMNS = ("cpu_kind", "dtype", "compile")
 EXTRA_COLUMNS = (
-    "sparsity", "anchor_stride", "dense_prefix", "balance", "token_bias_tau", "run_id", "val_loss_causal", "routing_agreement", "wall_s",
+    "params_non_embedding", "sparsity", "anchor_stride", "dense_prefix", "balance", "token_bias_tau",
+    "run_id", "val_loss_causal", "routing_agreement", "wall_s",
     "steps", "batch_tokens", "optimizer", "lr", "warmup_steps", "epochs", "layout", "commit", "error",
     *PAIRING_COLUMNS,
 )

@@ -16,7 +16,10 @@ parameters with embeddings (the paper's Table 1 column) and N_act its
 active-equivalent size, the dense model of the same active depth with
 embeddings (what the paper's size labels approximate: 556M labels a 543M dense
 model). Where a count with embeddings is not recorded, N / N_act falls back to
-the paper's Eqs. 4-5 (non-embedding: blocks over active depth).
+the paper's Eqs. 4-5 (non-embedding: blocks over active depth). A fit records
+its rule (:data:`COUNTS_WITH_EMBEDDINGS` or :data:`COUNTS_EQS_4_5`), and what
+predicts from it reads its rows by that rule: the same N_act under the other rule
+is another number (about 2.3x at width 64, where embeddings outweigh the blocks).
 
 The optimum (Eq. 16) is a proportionality only; :func:`k_hat` is the continuous
 minimiser of Eq. 14 at A = 1 on a given backbone, which Eq. 16 approximates.
@@ -70,6 +73,11 @@ TABLE8_PROVENANCE = {
     "counts": "N_act the active-equivalent size label, N the total with embeddings"
               " (Table 1); L in tokens",
 }
+
+
+# the two counting rules (module docstring), as a fit records them
+COUNTS_WITH_EMBEDDINGS = "N = params_total, N_act = params_active + embeddings"
+COUNTS_EQS_4_5 = "N_act = params_active, N = N_act x blocks / active depth (Eqs. 4-5)"
 
 
 @dataclass(frozen=True)
@@ -177,6 +185,11 @@ class PaperLaw:
         if not runs or "delta" not in runs[0]:
             return None
         return pd.DataFrame(runs)
+
+    def counts(self) -> str | None:
+        """The counting rule the fit read its runs by (:data:`COUNTS_WITH_EMBEDDINGS`
+        or :data:`COUNTS_EQS_4_5`); None for Table 8, counted as the paper counts."""
+        return (self.reference or {}).get("counts")
 
     def heldout_scores(self) -> dict[str, dict[str, Any]]:
         """Each held-out protocol's scores without its per-run points: the points are

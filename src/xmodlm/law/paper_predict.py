@@ -25,9 +25,9 @@ def predict_paper(law: paper.PaperLaw, rows: pd.DataFrame) -> pd.DataFrame:
     """One row per input row: its (K, A, L, N_act, N), the predicted Delta (X-MoD minus
     dense of the same N_act and L at the same FLOPs; a dense row gets Eq. 14 at K = 1,
     its constant e), the interval (NaN without draws) and the inputs outside the
-    fitted ranges."""
+    fitted ranges. The rows are counted by the law's own rule (:meth:`PaperLaw.counts`)."""
     frame = validate(rows, need_loss=False).frame
-    cols, _, _ = eq14_inputs(frame)
+    cols, _, _ = eq14_inputs(frame, law.counts())
     x = paper.Point.of(*(cols[c].to_numpy(float) for c in (
         "params_active", "params_total", "context", "sparsity", "anchor_stride")))
     out = pd.DataFrame({c: v.to_numpy(float) for c, v in cols.items()})

@@ -75,6 +75,11 @@ def recommend_paper(
     if any(n < 0 or n != int(n) for n in dense_prefixes):
         raise UserError(f"dense prefixes {list(dense_prefixes)}: each must be an integer >= 0")
     law = law or paper.table8()
+    if law.counts() == paper.COUNTS_EQS_4_5:
+        raise UserError(
+            f"the law {law.name!r} was fitted on counts without embeddings ({law.counts()});"
+            " its candidates here are counted with them: refit it on a results table with"
+            " params_non_embedding (`xmod results SWEEP_DIR` rewrites a sweep's table with it)")
     backbone = backbone or bb.backbone_for(active_params, active_layers)
     scale = active_params / backbone.dense_total  # N fed to the law: totals' ratio times N_act
     dense_model = bb.build(backbone, 1, 0, 0)

@@ -155,22 +155,34 @@ def _dense_laws(frame: pd.DataFrame, seed: int) -> dict[int, np.ndarray]:
     return out
 
 
-def eq14_inputs(frame: pd.DataFrame) -> tuple[dict[str, pd.Series], str, str | None]:
+def eq14_inputs(frame: pd.DataFrame, counts: str | None = None
+                ) -> tuple[dict[str, pd.Series], str, str | None]:
     """What Eq. 14 reads of validated rows (:func:`xmodlm.law.table.validate`): N_act,
     N, L, K and A as columns (``params_active``, ``params_total``, ``context``,
-    ``sparsity``, ``anchor_stride``), the counting rule in words, and a note where the
-    rule had to fall back. One rule for the fit and for predictions (module docstring)."""
+    ``sparsity``, ``anchor_stride``), the counting rule, and a note where the rule had
+    to fall back. One rule for the fit and for predictions (module docstring):
+    ``counts`` is a fitted law's own rule, for rows predicted from it; None picks
+    :data:`~xmodlm.law.paper.COUNTS_WITH_EMBEDDINGS` where the rows give
+    ``params_non_embedding``, else :data:`~xmodlm.law.paper.COUNTS_EQS_4_5`."""
+    split = "params_non_embedding" in frame and bool(frame["params_non_embedding"].notna().all())
     note = None
-    if "params_non_embedding" in frame and frame["params_non_embedding"].notna().all():
+    if counts is None:
+        counts = paper.COUNTS_WITH_EMBEDDINGS if split else paper.COUNTS_EQS_4_5
+        if not split:
+            note = "no params_non_embedding column: N and N_act without embeddings (Eqs. 4-5)"
+    if counts == paper.COUNTS_WITH_EMBEDDINGS:
+        if not split:
+            raise UserError("rows without params_non_embedding cannot be counted as the law"
+                            f" was fitted ({counts}); `xmod sweep --dry-run --plan` writes it")
         embed = frame["params_total"].astype(float) - frame["params_non_embedding"].astype(float)
         n_total = frame["params_total"].astype(float)
         n_act = frame["params_active"].astype(float) + embed
-        counts = "N = params_total, N_act = params_active + embeddings"
-    else:
+    elif counts == paper.COUNTS_EQS_4_5:
         n_act = frame["params_active"].astype(float)
         n_total = n_act * frame["rho"]
-        counts = "N_act = params_active, N = N_act x blocks / active depth (Eqs. 4-5)"
-        note = "no params_non_embedding column: N and N_act without embeddings (Eqs. 4-5)"
+    else:
+        raise UserError(f"unknown counting rule {counts!r}; known: {paper.COUNTS_WITH_EMBEDDINGS!r},"
+                        f" {paper.COUNTS_EQS_4_5!r}")
     if "sparsity" in frame and frame["sparsity"].notna().all():
         k = frame["sparsity"].astype(float)
         a = frame["anchor_stride"].astype(float)
@@ -186,14 +198,17 @@ def eq14_inputs(frame: pd.DataFrame) -> tuple[dict[str, pd.Series], str, str | N
 
 def law_frame(df: pd.DataFrame, curves: pd.DataFrame | None = None, loss: str = "causal",
               min_steps: int = 0, use_law: bool = True, seed: int = 0, family: str = "xmod",
-              lr: float | None = None) -> tuple[pd.DataFrame, dict[str, Any]]:
+              lr: float | None = None, counts: str | None = None
+              ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """The sparse runs of a results table as the paper's fit reads them (columns of
     :data:`xmodlm.law.paper_fit.COLUMNS` plus the reference), and a record of what
     was used and left out.
 
     One variant is fitted (``family``, :func:`xmodlm.law.select.one_variant`): a
     study's ablations and baselines share its table, and Eq. 14 describes X-MoD with
-    all of its mechanisms. One peak learning rate: ``lr``, else the table's most common."""
+    all of its mechanisms. One peak learning rate: ``lr``, else the table's most common.
+    ``counts``: the counting rule (:func:`eq14_inputs`), a fitted law's own where its
+    runs are set beside runs it did not see."""
     runs = validate(df, loss=loss, min_steps=min_steps, evaluated=curves is None)
     frame = runs.frame.reset_index(drop=True)
     if not frame["is_sparse"].any():
@@ -205,7 +220,7 @@ def law_frame(df: pd.DataFrame, curves: pd.DataFrame | None = None, loss: str = 
     frame = pd.concat([frame, ref], axis=1)
     sparse = frame[frame["is_sparse"]].copy()
     notes = list(runs.notes)
-    eq14, counts, note = eq14_inputs(sparse)
+    eq14, counts, note = eq14_inputs(sparse, counts)
     notes += [note] if note else []
     out = pd.DataFrame({
         "run_id": sparse.get("run_id", pd.Series(sparse.index.astype(str), index=sparse.index)),

@@ -79,7 +79,8 @@ def unseen_runs(law: paper.PaperLaw, fitted: pd.DataFrame, df: pd.DataFrame,
     curves = read_curves(sweep_dir) if record.get("curves") and sweep_dir else None
     try:
         now, _ = law_frame(df, curves, loss=record.get("loss", "causal"),
-                           family=record.get("variant") or "xmod", lr=record.get("lr"))
+                           family=record.get("variant") or "xmod", lr=record.get("lr"),
+                           counts=law.counts())
     except UserError:  # no sparse run of that variant in the table
         return fitted.iloc[:0]
     return now[~now["run_id"].isin(fitted["run_id"])].reset_index(drop=True)
