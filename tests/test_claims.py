@@ -100,13 +100,19 @@ def test_k_star_exponent_recovered() -> None:
 
 def test_best_k_is_chosen_on_seed_zero() -> None:
     """K = 8 wins seed 0 and K = 16 the mean over seeds: the comparison with dense takes
-    K = 8, on every seed and on seeds 1 and 2 alone, paired by seed."""
+    K = 8, on every seed and on seeds 1 and 2 alone, paired by seed; the U's lowest K is
+    judged on the seeds every K has."""
     rows = [_row(1, loss, 1024, seed) for seed, loss in enumerate((5.00, 5.05, 4.95))]
     rows += [_row(8, loss, 1024, seed) for seed, loss in enumerate((4.70, 4.72, 4.71))]
     rows += [_row(16, loss, 1024, seed) for seed, loss in enumerate((4.75, 4.60, 4.62))]
     rows.append(_row(4, 4.9, 1024))
     out = _claims(rows)
-    assert out["u_shape"][0]["argmin"] == 16  # by the mean over seeds
+    # the lowest K by the seed every K has (K = 4 has seed 0 alone); without K = 4,
+    # by the mean over all three seeds
+    assert out["u_shape"][0]["argmin"] == 8 and out["u_shape"][0]["common_seeds"] == [0]
+    u = _claims(rows[:-1])["u_shape"][0]
+    assert u["argmin"] == 16 and u["common_seeds"] == [0, 1, 2]
+    assert [e["judged"] for e in u["by_k"]] == pytest.approx([e["mean"] for e in u["by_k"]])
     best = out["best_vs_dense"][0]
     assert best["K"] == 8 and best["model"] == "A1K8"
     assert best["seed0"] == {"4": 4.9, "8": 4.70, "16": 4.75}

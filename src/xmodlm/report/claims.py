@@ -180,8 +180,14 @@ def paired_minus(
 def loss_by_k(df: pd.DataFrame) -> list[dict[str, Any]]:
     """Claim 1, per backbone and budget with the main model at some K: the loss at each
     K (dense as K = 1; per seed first, then mean +- SE over seeds, n), the K of the
-    lowest mean, and whether it is interior (neither the smallest nor the largest K
-    run there; the paper's U has dense, K = 1, at one end)."""
+    lowest loss, and whether it is interior (neither the smallest nor the largest K
+    run there; the paper's U has dense, K = 1, at one end).
+
+    The lowest is judged on the seeds every K has (``common_seeds``; each K's mean
+    over them is its ``judged`` loss): where K = 16 has three seeds and K = 8 one, a
+    three-seed mean beside a one-seed value would rank the two by their seeds' luck
+    (as :func:`xmodlm.report.analysis.learning_rates` judges rates). Without a seed
+    in common the all-seed means are ranked."""
     out = []
     for cell, g in _cells(df):
         main = g[g["main"]]
@@ -191,14 +197,18 @@ def loss_by_k(df: pd.DataFrame) -> list[dict[str, Any]]:
         groups = [(False, k, h) for k, h in main.groupby("K")]
         if not dense.empty:
             groups.insert(0, (True, 1.0, dense))
+        per_k = [(is_dense, k, _seed_means(rows)) for is_dense, k, rows in groups]
+        common = set.intersection(*(set(per_seed.index) for _, _, per_seed in per_k))
         by_k = []
-        for is_dense, k, rows in groups:
-            per_seed = _seed_means(rows)
+        for is_dense, k, per_seed in per_k:
             stat = mean_se(list(per_seed))
+            judged = float(per_seed[sorted(common)].mean()) if common else stat["mean"]
             by_k.append({"K": float(k), "dense": is_dense, "n": stat["n"], "mean": stat["mean"],
-                         "se": stat["se"], "seeds": [int(s) for s in per_seed.index]})
-        best = min(range(len(by_k)), key=lambda i: by_k[i]["mean"])
+                         "se": stat["se"], "judged": judged,
+                         "seeds": [int(s) for s in per_seed.index]})
+        best = min(range(len(by_k)), key=lambda i: by_k[i]["judged"])
         out.append({**_where(cell), "by_k": by_k, "argmin": by_k[best]["K"],
+                    "common_seeds": sorted(int(s) for s in common),
                     "has_dense": by_k[0]["dense"],
                     "interior": bool(0 < best < len(by_k) - 1)})
     return out
@@ -206,7 +216,7 @@ def loss_by_k(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 def k_star(entry: Mapping[str, Any]) -> dict[str, Any]:
     """The continuous best K of one :func:`loss_by_k` entry: the vertex of the parabola
-    in ln K through the argmin and its two neighbours; the argmin itself, flagged
+    in ln K through the argmin and its two neighbours (their ``judged`` losses); the argmin itself, flagged
     ``at_edge``, where it is the smallest or largest K run (no minimum is bracketed)."""
     by_k, argmin = entry["by_k"], entry["argmin"]
     i = [e["K"] for e in by_k].index(argmin)
@@ -214,7 +224,7 @@ def k_star(entry: Mapping[str, Any]) -> dict[str, Any]:
         return {"context": entry["context"], "k_star": argmin, "at_edge": True, "through": [argmin]}
     three = by_k[i - 1:i + 2]
     _, ln_k, _ = fit_parabola(np.log([e["K"] for e in three]),
-                              np.array([e["mean"] for e in three]), np.ones(3))
+                              np.array([e["judged"] for e in three]), np.ones(3))
     # three equal losses have no vertex: the argmin stands for it
     return {"context": entry["context"], "k_star": float(np.exp(ln_k)) if np.isfinite(ln_k)
             else argmin, "at_edge": False, "through": [e["K"] for e in three]}

@@ -74,15 +74,21 @@ def _law(law: dict[str, Any] | None, paper: dict[str, Any]) -> list[str]:
 
 def _u_shape(entries: list[dict[str, Any]], paper: dict[str, Any], plot: str | None) -> list[str]:
     ks = sorted({p["K"] for e in entries for p in e["by_k"]})
-    head = ["L", "C", *(("K=1 (dense)" if k == 1 else f"K={k:g}") for k in ks), "lowest", "interior"]
+    head = ["L", "C", *(("K=1 (dense)" if k == 1 else f"K={k:g}") for k in ks), "judged on",
+            "lowest", "interior"]
     lines = ["", "### 1. A U in K at every context", "", f"Paper: {paper['u_shape']}."
-             " Ours: mean loss over the seeds each K has (n); one seed has no error bar.", "",
+             " Ours: mean loss over the seeds each K has (n); one seed has no error bar."
+             " The lowest K is judged on the seeds every K of the context has (judged on),"
+             " so that seeds' luck does not rank a three-seed mean against one seed.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
         at = {p["K"]: p for p in e["by_k"]}
         cells = [f"{at[k]['mean']:.4f} ({at[k]['n']})" if k in at else "-" for k in ks]
+        common = e["common_seeds"]
+        seeds = (("seed " if len(common) == 1 else "seeds ") + ", ".join(map(str, common))
+                 if common else "all (no seed in common)")
         lines.append(f"| {e['context']} | {e['tier']:.2g} | " + " | ".join(cells)
-                     + f" | K={e['argmin']:g} | {'yes' if e['interior'] else 'no'} |")
+                     + f" | {seeds} | K={e['argmin']:g} | {'yes' if e['interior'] else 'no'} |")
     interior = sum(e["interior"] for e in entries)
     lines += ["", f"The lowest K is interior (a U) at {interior} of {len(entries)} contexts."]
     if plot:
