@@ -285,3 +285,19 @@ def test_report_names_paper_models_by_a_and_k() -> None:
     paired = {e["config"]: e for e in out["paired"]}
     assert paired["xmod A2K4 variance_scaled bal=token_bias muon lr=0.0032"]["mean"] \
         == pytest.approx(-0.2)
+
+
+def test_causal_losses_under_both_threshold_rules() -> None:
+    """The causal-minus-top-k gap of the routed runs under the table's rule and under
+    the fixed 1/2 threshold, each its own column; dense runs do not count."""
+    from xmodlm.report.analysis import causal_gap
+
+    rows = [_row(1, 5.0)]
+    for k, half in ((4, 0.004), (8, 0.002), (16, 0.006)):
+        rows.append(_row(k, 4.8, threshold_rule="calibrated", eval_loss_causal_half=4.79 + half))
+    df, _ = finished_table(pd.DataFrame(rows), "results.csv")
+    gap = causal_gap(df)
+    assert gap["n"] == 3 and gap["rule"] == "calibrated"
+    assert gap["median"] == pytest.approx(0.01)  # _row: val_loss is 0.01 below the causal
+    assert gap["half"]["n"] == 3 and gap["half"]["median"] == pytest.approx(0.004)
+    assert gap["half"]["min"] == pytest.approx(0.002) and gap["half"]["max"] == pytest.approx(0.006)

@@ -459,18 +459,26 @@ def against_dense(comparisons: pd.DataFrame) -> dict[str, Any]:
 
 def causal_gap(df: pd.DataFrame) -> dict[str, Any] | None:
     """Causal minus top-k validation loss of the routed runs (median and range): what
-    decoding, which cannot see the future, pays against the training-time routing.
-    None where the table records no causal loss."""
+    decoding, which cannot see the future, pays against the training-time routing,
+    under the table's threshold rule (``rule``: the runs' ``threshold_rule`` where one
+    is recorded) and, where the evaluation recorded it, under the other rule, the
+    fixed threshold of 1/2 (``half``). None where the table records no causal loss."""
     if "val_loss_causal" not in df.columns:
         return None
     routed = df[(df["stride"] > 1) & (df["capacity"] < 1)]
-    gap = pd.to_numeric(routed["val_loss_causal"], errors="coerce") - routed["val_loss"]
-    gap = gap[np.isfinite(gap)]
-    if not len(gap):
+
+    def spread(column: str) -> dict[str, Any] | None:
+        if column not in routed.columns:
+            return None
+        gap = pd.to_numeric(routed[column], errors="coerce") - routed["val_loss"]
+        gap = gap[np.isfinite(gap)]
+        if not len(gap):
+            return None
+        return {"n": len(gap), "median": float(gap.median()), "min": float(gap.min()),
+                "max": float(gap.max())}
+
+    out = spread("val_loss_causal")
+    if out is None:
         return None
-    return {
-        "n": len(gap),
-        "median": float(gap.median()),
-        "min": float(gap.min()),
-        "max": float(gap.max()),
-    }
+    rules = sorted(set(routed.get("threshold_rule", pd.Series(dtype=str)).dropna().astype(str)))
+    return {**out, "rule": ", ".join(rules) or None, "half": spread("eval_loss_causal_half")}

@@ -233,12 +233,17 @@ def _causal_gap_markdown(gap: dict[str, Any] | None) -> list[str]:
     """How much the causal decision costs the routed runs against top-k routing."""
     lines: list[str] = []
     if gap:
+        rule = f" ({gap['rule']} threshold)" if gap.get("rule") else ""
+        half = gap.get("half")
         lines += [
             "",
             "## Causal routing at inference",
             "",
-            f"Causal minus top-k held-out loss over {gap['n']} routed runs: median"
-            f" {_fmt(gap['median'])} (range {_fmt(gap['min'])} to {_fmt(gap['max'])}).",
+            f"Causal{rule} minus top-k held-out loss over {gap['n']} routed runs: median"
+            f" {_fmt(gap['median'])} (range {_fmt(gap['min'])} to {_fmt(gap['max'])})."
+            + (f" Under the fixed threshold of 1/2, over {half['n']}: median"
+               f" {_fmt(half['median'])} (range {_fmt(half['min'])} to {_fmt(half['max'])})."
+               if half else ""),
         ]
     return lines
 
