@@ -70,3 +70,24 @@ def test_a_fit_without_its_runs_recorded_is_said_so(tmp_path: Path) -> None:
 
     section = paper_law_section(paper.table8(), "paper", pd.DataFrame(), None, tmp_path)
     assert section["unseen"] is None and section["plots"] == [] and "no record" in section["note"]
+
+
+def test_the_law_curves_are_reference_plus_delta(reported) -> None:
+    """The law's loss against K at A = 1 for each context and backbone: the dense
+    reference plus Eq. 14's Delta, which sits on the synthetic losses to within the
+    fit's error; 32k holds several backbones, each its own curve."""
+    report, _, table = reported
+    curves = report["law"]["loss_curves"]
+    a1 = table[(table["family"] == "xmod") & (table["anchor_stride"] == 1)]
+    assert sorted({c["context"] for c in curves}) == sorted(a1["context"].unique())
+    truth = paper_synthetic.table(noise=0.005, seed=0)
+    truth = truth[truth["anchor_stride"] == 1]
+    backbones = truth.loc[truth["context"] == 32768, "label"].nunique()
+    assert backbones > 1 and sum(c["context"] == 32768 for c in curves) == backbones
+    for c in curves:
+        here = truth[(truth["context"] == c["context"])
+                     & (abs(truth["params_active"] / c["params_active"] - 1) < 0.03)]
+        assert c["K"] == sorted(here["sparsity"].astype(float))
+        measured = here.sort_values("sparsity")["val_loss"].to_numpy()
+        assert c["loss"] == pytest.approx(list(measured), abs=0.03)
+        assert max(abs(a - b) for a, b in zip(c["loss"], measured, strict=True)) > 1e-4  # the law's, not the data

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from xmodlm.law import paper
-from xmodlm.law.paper_fit import BAND, point_of, scores
+from xmodlm.law.paper_fit import BAND, point_of, scales, scores
 from xmodlm.law.paper_predict import INTERVAL, with_interval
 
 
@@ -51,7 +51,7 @@ def paper_law_section(law: paper.PaperLaw, path: str | Path, df: pd.DataFrame,
         "ranges": law.ranges, "params": params, "in_fit": metrics.get("in_fit"),
         "heldout": law.heldout_scores(),
         "out_of_range": metrics.get("out_of_range"),
-        "unseen": None, "plots": [],
+        "unseen": None, "plots": [], "loss_curves": [],
     }
     fitted = law.fitted_runs()
     if fitted is None:
@@ -65,7 +65,29 @@ def paper_law_section(law: paper.PaperLaw, path: str | Path, df: pd.DataFrame,
     oor = np.r_[np.zeros(len(fitted), bool), np.ones(len(new), bool)]
     plots = plot_paper_law(law, frame, Path(out_dir) / "plots", oor=oor)
     section["plots"] = [str(p.relative_to(out_dir)) for p in plots]
+    section["loss_curves"] = loss_curves(law, frame)
     return section
+
+
+def loss_curves(law: paper.PaperLaw, frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """The law's loss against K at A = 1, per context and backbone (``params_active``:
+    the scale, :func:`xmodlm.law.paper_fit.scales`), for the runs of ``frame`` (fitted
+    and unseen, with their Eq. 14 inputs and dense reference): at each K the mean over
+    its runs of the reference loss plus Eq. 14's Delta. So the report's loss-against-K
+    figure can set the law's curve beside the measured losses, in the same units.
+    Dense (K = 1) is the measured reference itself, not drawn here."""
+    a1 = frame[np.isclose(frame["anchor_stride"].to_numpy(float), 1.0)]
+    if a1.empty:
+        return []
+    a1 = a1.assign(law_loss=a1["reference_loss"].to_numpy(float)
+                   + paper.delta(point_of(a1), law.value),
+                   scale=scales(a1["params_active"].to_numpy(float)))
+    out = []
+    for (context, scale), g in a1.groupby(["context", "scale"], sort=True):
+        by_k = g.groupby("sparsity", sort=True)["law_loss"].mean()
+        out.append({"context": int(context), "params_active": float(scale),
+                    "K": [float(k) for k in by_k.index], "loss": [float(v) for v in by_k]})
+    return out
 
 
 def unseen_runs(law: paper.PaperLaw, fitted: pd.DataFrame, df: pd.DataFrame,

@@ -322,6 +322,11 @@ def sweep_report(
 
         sweep_dir = Path(results) if Path(results).is_dir() else Path(results).parent
         report["law"] = paper_law_section(paper_law, law, raw, sweep_dir, out)
+        if report["claims"] is not None and report["law"].get("loss_curves"):
+            from xmodlm.report.claims_plots import plot_loss_by_k
+
+            plot_loss_by_k(report["claims"]["u_shape"], out / "claims_k.png",
+                           report["law"]["loss_curves"])
         bar.update(1, done="the paper's law summarised and plotted")
     elif law is not None:
         from xmodlm.law.lawfit import load_fit
