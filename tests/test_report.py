@@ -349,7 +349,7 @@ def test_headline_is_the_most_seeded_configuration_per_cell(tmp_path: Path) -> N
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| T | C | width | X-MoD | MoD |" in md
     assert "| 128 | 1e+13 | 128 | +0.020 +- 0.006 (3) | -0.020 +- 0.000 (3)* |" in md
-    assert "| 512 | 3e+13 | 128 | - (2 configurations with 1 seeds) | - |" in md
+    assert "| 512 | 3e+13 | 128 | - (2 configurations with 1 seed) | - |" in md
 
 
 def test_headline_tie_goes_to_the_configuration_run_at_more_budgets(tmp_path: Path) -> None:

@@ -326,7 +326,7 @@ def _headline_markdown(rows: list[dict[str, Any]]) -> list[str]:
                 cells.append("-")
                 continue
             if "tied" in p:
-                cells.append(f"- ({p['tied']} configurations with {p['n']} seeds)")
+                cells.append(f"- ({p['tied']} configurations with {p['n']} seed{'s' if p['n'] != 1 else ''})")
                 continue
             configs.setdefault(f, set()).add(p["config"])
             se = f" +- {p['se']:.3f}" if p["se"] is not None else ""
