@@ -216,8 +216,9 @@ def loss_by_k(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 def k_star(entry: Mapping[str, Any]) -> dict[str, Any]:
     """The continuous best K of one :func:`loss_by_k` entry: the vertex of the parabola
-    in ln K through the argmin and its two neighbours (their ``judged`` losses); the argmin itself, flagged
-    ``at_edge``, where it is the smallest or largest K run (no minimum is bracketed)."""
+    in ln K through the argmin and its two neighbours (their ``judged`` losses); the
+    argmin itself, flagged ``at_edge``, where it is the smallest or largest K run (no
+    minimum is bracketed)."""
     by_k, argmin = entry["by_k"], entry["argmin"]
     i = [e["K"] for e in by_k].index(argmin)
     if not entry["interior"]:

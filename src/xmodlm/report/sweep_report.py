@@ -207,17 +207,18 @@ def dynamics(
 
 
 def paper_claims(
-    df: pd.DataFrame, runs: dict[str, dict[str, Any]], out_dir: Path
+    df: pd.DataFrame, runs: dict[str, dict[str, Any]], out_dir: Path,
+    curves: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any] | None:
     """The paper's claims (:func:`xmodlm.report.claims.claims`) with ``claims_k.png``,
-    the loss against K, in ``out_dir``; None for a table not of the paper's
-    construction."""
+    the loss against K (with the paper law's ``curves`` where the report has a fit),
+    in ``out_dir``; None for a table not of the paper's construction."""
     from xmodlm.report.claims import claims
     from xmodlm.report.claims_plots import plot_loss_by_k
 
     section = claims(df, runs)
     if section is not None:
-        plot = plot_loss_by_k(section["u_shape"], out_dir / "claims_k.png")
+        plot = plot_loss_by_k(section["u_shape"], out_dir / "claims_k.png", curves)
         section["plot"] = plot.name if plot is not None else None
     return section
 
@@ -313,7 +314,6 @@ def sweep_report(
     plot = plot_isoflop(report["isoflop"], out / "isoflop.png", config_label)
     report["isoflop_plot"] = plot.name if plot is not None else None
     report["dynamics"], run_records = dynamics(df, results, out, comparisons)
-    report["claims"] = paper_claims(df, run_records, out)
     bar.update(1, done="training dynamics read from the run records")
     fit = None
     paper_law = read_paper_law(str(law)) if law is not None else None
@@ -322,11 +322,6 @@ def sweep_report(
 
         sweep_dir = Path(results) if Path(results).is_dir() else Path(results).parent
         report["law"] = paper_law_section(paper_law, law, raw, sweep_dir, out)
-        if report["claims"] is not None and report["law"].get("loss_curves"):
-            from xmodlm.report.claims_plots import plot_loss_by_k
-
-            plot_loss_by_k(report["claims"]["u_shape"], out / "claims_k.png",
-                           report["law"]["loss_curves"])
         bar.update(1, done="the paper's law summarised and plotted")
     elif law is not None:
         from xmodlm.law.lawfit import load_fit
@@ -337,6 +332,9 @@ def sweep_report(
         plots = plot_law(fit, raw, out / "plots")
         report["law"]["plots"] = [str(p.relative_to(out)) for p in plots]
         bar.update(1, done="law summarised and plotted")
+    # after the law: a paper-law fit's curves are drawn on the claims' loss-against-K figure
+    report["claims"] = paper_claims(df, run_records, out,
+                                    (report["law"] or {}).get("loss_curves") or ())
     report["headline"] = headline(report["paired"], df, fit)
     atomic_write_text(out / "comparisons.csv", comparisons.to_csv(index=False))
     atomic_write_json(out / "report.json", report)
